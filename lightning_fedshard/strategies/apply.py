@@ -1,0 +1,76 @@
+"""Free functions that apply FSDP2 to a model and keep its copies consistent; called by the strategy, in order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+__all__ = ["apply_fsdp", "broadcast_initial_state", "is_sharded", "reshard_all"]
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied anywhere in ``module`` (by the user's ``configure_model`` or by us)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def apply_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    auto_wrap: Sequence[type[nn.Module]] = (),
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Shards every instance of the ``auto_wrap`` classes as its own FSDP2 unit, then each top-level child.
+
+    A 1-D ``mesh`` gives FSDP, a 2-D ``("replicate", "shard")`` mesh gives HSDP. Units are gathered one
+    block at a time, so peak memory holds one block's full weights, not the model's. The top-level
+    children, not ``module`` itself, close the wrapping: a LightningModule runs its layers from
+    ``training_step`` and never through its own ``forward``, where FSDP2 would gather a root unit.
+    """
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    block_types = tuple(auto_wrap)
+    if block_types:
+        for sub in list(module.modules()):
+            if sub is not module and isinstance(sub, block_types) and not isinstance(sub, FSDPModule):
+                fully_shard(sub, **kwargs)
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"{type(module).__name__} holds parameters {own} directly; FSDP2 cannot shard them without a forward"
+            " that runs them. Move them into a submodule."
+        )
+    for child in module.children():
+        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Frees unsharded parameters everywhere. The root unit keeps its parameters gathered after a no-grad
+    forward (validation), and its registered parameters are then plain tensors instead of shards."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+@torch.no_grad()
+def broadcast_initial_state(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Makes every federation group and replica start from the same weights, whatever each rank's seed.
+
+    FSDP2 never broadcasts initial weights. Parameter shards are copied from group 0 / replica 0 at the
+    same shard position; anything not sharded (buffers, ignored parameters) from global rank 0.
+    """
+    shards = [p.to_local() for p in module.parameters() if isinstance(p, DTensor)]
+    for dim in ("fed", "replicate"):
+        if mesh[dim].size() > 1:
+            group = mesh.get_group(dim)
+            for shard in shards:
+                dist.broadcast(shard, group=group, group_src=0)
+    replicated = [p for p in module.parameters() if not isinstance(p, DTensor)] + list(module.buffers())
+    for tensor in replicated:
+        dist.broadcast(tensor, src=0)

@@ -1,0 +1,145 @@
+"""The cross-group step of FL+FSDP / FL+HSDP: average the local parameter shards of every federation group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from lightning_fedshard.strategies.ledger import CommLedger
+
+__all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager"]
+
+OUTER_OPTIMIZERS = ("avg", "nesterov")
+SYNC_MODES = ("all_replicas", "leader")
+
+_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+class FedAverager:
+    """Averages sharded parameters across federation groups, optionally through a DiLoCo outer optimizer.
+
+    Every rank holds the local shards of its FSDP parameters; the rank at the same (replicate, shard)
+    position in every group holds the same slice, so one all-reduce over the ``fed`` group per bucket
+    averages the whole model without any rank ever holding a full parameter.
+
+    * ``outer_optimizer="avg"``: FedAvg, the local shards become the mean across groups.
+    * ``outer_optimizer="nesterov"``: DiLoCo. The pseudo-gradient ``global - local`` is averaged, then
+      SGD with Nesterov momentum steps the global copy, which every group then adopts.
+
+    With ``sync_mode="leader"`` only replica 0 of each group joins the fed all-reduce and broadcasts the
+    result to its replicas, which cuts cross-group traffic by the replicate size.
+
+    Example::
+
+        averager = FedAverager(model.named_parameters(), fed_group=mesh.get_group("fed"),
+                               replicate_group=mesh.get_group("replicate"), ledger=CommLedger())
+        averager.sync()  # after resharding every FSDP module
+    """
+
+    def __init__(
+        self,
+        named_params: Iterator[tuple[str, nn.Parameter]] | Sequence[tuple[str, nn.Parameter]],
+        *,
+        fed_group: ProcessGroup,
+        replicate_group: ProcessGroup,
+        ledger: CommLedger,
+        outer_optimizer: Literal["avg", "nesterov"] = "avg",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_dtype: torch.dtype = torch.float32,
+        sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
+    ) -> None:
+        self.named_params = [(name, p) for name, p in named_params if isinstance(p, DTensor)]
+        self._fed_group = fed_group
+        self._replicate_group = replicate_group
+        self._ledger = ledger
+        self._sync_dtype = sync_dtype
+        self._leader_broadcast = sync_mode == "leader" and dist.get_world_size(replicate_group) > 1
+        self.outer_optimizer = outer_optimizer
+        self._reference: list[torch.Tensor] = []
+        self._outer: torch.optim.SGD | None = None
+        if outer_optimizer == "nesterov":
+            self._reference = [p.to_local().detach().to(sync_dtype, copy=True) for _, p in self.named_params]
+            self._outer = torch.optim.SGD(self._reference, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+            # A zero buffer makes the first step identical to SGD's lazy init and gives the checkpoint a fixed layout.
+            for ref in self._reference:
+                self._outer.state[ref]["momentum_buffer"] = torch.zeros_like(ref)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Runs one cross-group round. Every FSDP module must be resharded first."""
+        local_shards = [p.to_local() for _, p in self.named_params]
+        if self._outer is None:
+            self._mean_across_groups_(local_shards)
+            return
+        pseudo_grads = [ref - local.to(self._sync_dtype) for ref, local in zip(self._reference, local_shards)]
+        self._mean_across_groups_(pseudo_grads)
+        for ref, grad in zip(self._reference, pseudo_grads):
+            ref.grad = grad
+        self._outer.step()
+        self._outer.zero_grad(set_to_none=True)
+        for local, ref in zip(local_shards, self._reference):
+            local.copy_(ref)
+
+    def _mean_across_groups_(self, tensors: list[torch.Tensor]) -> None:
+        for bucket in _buckets(tensors, _BUCKET_BYTES // self._sync_dtype.itemsize):
+            flat = torch.cat([t.reshape(-1).to(self._sync_dtype) for t in bucket])
+            self._all_reduce_mean_(flat)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _all_reduce_mean_(self, flat: torch.Tensor) -> None:
+        nbytes = flat.numel() * flat.element_size()
+        is_leader = not self._leader_broadcast or dist.get_rank(self._replicate_group) == 0
+        if is_leader:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._fed_group)
+            self._ledger.record("fed", "all_reduce", nbytes, dist.get_world_size(self._fed_group))
+        if self._leader_broadcast:
+            dist.broadcast(flat, group=self._replicate_group, group_src=0)
+            self._ledger.record("replicate", "broadcast", nbytes, dist.get_world_size(self._replicate_group))
+
+    def state_dict(self) -> dict[str, dict[str, DTensor]]:
+        """The outer optimizer's global parameters and momentum, as DTensors sharded like the parameters,
+        so a distributed checkpoint keeps every rank's slice."""
+        if self._outer is None:
+            return {}
+        state: dict[str, dict[str, DTensor]] = {"reference": {}, "momentum": {}}
+        for (name, p), ref in zip(self.named_params, self._reference):
+            state["reference"][name] = _like(p, ref)
+            state["momentum"][name] = _like(p, self._outer.state[ref]["momentum_buffer"])
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, dict[str, DTensor]]) -> None:
+        if self._outer is None:
+            return
+        for (name, _), ref in zip(self.named_params, self._reference):
+            ref.copy_(state["reference"][name].to_local())
+            self._outer.state[ref]["momentum_buffer"].copy_(state["momentum"][name].to_local())
+
+
+def _like(param: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _buckets(tensors: list[torch.Tensor], max_numel: int) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    numel = 0
+    for t in tensors:
+        if bucket and numel + t.numel() > max_numel:
+            yield bucket
+            bucket, numel = [], 0
+        bucket.append(t)
+        numel += t.numel()
+    if bucket:
+        yield bucket

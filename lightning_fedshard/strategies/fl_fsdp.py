@@ -1,0 +1,58 @@
+"""FL+FSDP: federation groups that train with FSDP2 and average their parameter shards every few steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch import nn
+
+from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
+
+__all__ = ["FLFSDPStrategy"]
+
+
+class FLFSDPStrategy(FLHSDPStrategy):
+    """FL+HSDP with one replica per group: each group is a plain FSDP2 ring over ``shard_size`` ranks.
+
+    ``num_groups=1`` is plain FSDP2 over the world (registered as ``"fsdp2"``). The arguments are
+    those of :class:`FLHSDPStrategy` without ``replicate_size`` and ``sync_mode``.
+
+    Example::
+
+        import lightning_fedshard  # registers the strategy names
+        trainer = Trainer(accelerator="cpu", devices=4, strategy="fl_fsdp")  # 4 processes, groups of devices/node
+        trainer = Trainer(accelerator="cpu", devices=4, strategy=FLFSDPStrategy(num_groups=2, sync_every=4))
+    """
+
+    _min_replicate_size = 1
+
+    def __init__(
+        self,
+        num_groups: int | None = None,
+        shard_size: int | None = None,
+        sync_every: int = 8,
+        outer_optimizer: Literal["avg", "nesterov"] = "avg",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_dtype: str | torch.dtype = "float32",
+        auto_wrap: Sequence[str | type[nn.Module]] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            num_groups=num_groups,
+            shard_size=shard_size,
+            replicate_size=1,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            sync_dtype=sync_dtype,
+            auto_wrap=auto_wrap,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )

@@ -1,0 +1,425 @@
+"""FL+HSDP: federation groups that train with HSDP and average their parameter shards every few steps."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fedshard.strategies.apply import apply_fsdp, broadcast_initial_state, is_sharded, reshard_all
+from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
+from lightning_fedshard.strategies.dims import FedShardDims
+from lightning_fedshard.strategies.group_checkpoint import (
+    FEDSHARD_KEY,
+    META_FILENAME,
+    load_group_state,
+    load_meta,
+    save_group_state,
+)
+from lightning_fedshard.strategies.ledger import TIERS, CommLedger, install_fsdp_counters
+
+__all__ = ["FLHSDPStrategy"]
+
+
+class FLHSDPStrategy(ModelParallelStrategy):
+    """Federated learning over HSDP groups on one ``("fed", "replicate", "shard")`` device mesh.
+
+    The world is split into ``num_groups`` federation groups of contiguous ranks. Each group trains its
+    own model copy with FSDP2 over ``replicate_size × shard_size`` ranks on its own data; every
+    ``sync_every`` optimizer steps the groups average their parameter shards (FedAvg) or step a
+    DiLoCo outer optimizer. ``num_groups=1`` is plain HSDP (registered as ``"hsdp"``).
+
+    Arguments:
+        num_groups: Federation groups F. ``None`` derives it from the world size.
+        shard_size: Ranks a parameter is sharded over (S). ``None`` takes the devices per node, or the
+            ranks left over when ``num_groups`` and ``replicate_size`` are both given.
+        replicate_size: HSDP replicas per group (R ≥ 2). ``None`` takes the ranks left over when
+            ``num_groups`` is given, else 2.
+        sync_every: Optimizer steps between cross-group syncs (H). With gradient accumulation one
+            accumulation window is one step.
+        outer_optimizer: ``"avg"`` (FedAvg, as in the FL+FSDP paper) or ``"nesterov"`` (DiLoCo: SGD with
+            Nesterov momentum on the pseudo-gradient ``global - local``).
+        outer_lr, outer_momentum: The DiLoCo outer step's learning rate and momentum.
+        sync_dtype: dtype of the cross-group average (``"float32"`` averages bf16 shards in fp32).
+        sync_mode: ``"all_replicas"`` (every replica joins the cross-group all-reduce, as in the paper) or
+            ``"leader"`` (replica 0 all-reduces across groups, then broadcasts inside its group).
+        auto_wrap: Module classes (or their import paths) to shard one FSDP unit per instance when the
+            LightningModule's ``configure_model`` does not call ``fully_shard`` itself.
+
+    ``LightningModule.device_mesh`` is the mesh of one model copy (``("replicate", "shard")``), so a
+    ``configure_model`` that calls ``fully_shard(block, mesh=self.device_mesh)`` shards inside its group.
+
+    Example::
+
+        import lightning_fedshard  # registers "fl_fsdp", "fl_hsdp", "fsdp2", "hsdp"
+        trainer = Trainer(accelerator="cpu", devices=8,
+                          strategy=FLHSDPStrategy(num_groups=2, replicate_size=2, shard_size=2, sync_every=4))
+    """
+
+    _min_replicate_size = 2
+
+    def __init__(
+        self,
+        num_groups: int | None = None,
+        shard_size: int | None = None,
+        replicate_size: int | None = None,
+        sync_every: int = 8,
+        outer_optimizer: Literal["avg", "nesterov"] = "avg",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        sync_dtype: str | torch.dtype = "float32",
+        sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
+        auto_wrap: Sequence[str | type[nn.Module]] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        name = type(self).__name__
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"{name}: `sync_every` must be an integer ≥ 1 (optimizer steps between syncs), got {sync_every!r}.")
+        if outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"{name}: unknown `outer_optimizer={outer_optimizer!r}`; choose one of {OUTER_OPTIMIZERS}.")
+        if sync_mode not in SYNC_MODES:
+            raise ValueError(f"{name}: unknown `sync_mode={sync_mode!r}`; choose one of {SYNC_MODES}.")
+        for arg, value in (("num_groups", num_groups), ("shard_size", shard_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: `{arg}` must be a positive integer or None, got {value!r}.")
+        if replicate_size is not None:
+            self._check_replicate_size(replicate_size)
+        self._num_groups = num_groups
+        self._shard_size = shard_size
+        self._replicate_size = replicate_size
+        self.sync_every = sync_every
+        self.outer_optimizer = outer_optimizer
+        self._outer_lr = outer_lr
+        self._outer_momentum = outer_momentum
+        self._sync_dtype = _resolve_dtype(sync_dtype, name)
+        self.sync_mode = sync_mode
+        self._auto_wrap = tuple(_resolve_class(c, name) for c in auto_wrap or ())
+        self._dims: FedShardDims | None = None
+        self._group_pg: dist.ProcessGroup | None = None
+        self._averager: FedAverager | None = None
+        self.ledger = CommLedger()
+        self.optimizer_steps = 0
+        self.syncs = 0
+        self._steps_at_last_sync = 0
+        self._failed = False
+
+    # ---- layout -------------------------------------------------------------------------------------
+
+    @property
+    def dims(self) -> FedShardDims:
+        if self._dims is None:
+            raise RuntimeError(f"{type(self).__name__}.dims is known only once the Trainer has set up its devices.")
+        return self._dims
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh one model copy is sharded over: ``("replicate", "shard")``, or ``("shard",)`` when R = 1."""
+        return FedShardDims.fsdp_mesh(self.device_mesh)
+
+    @property
+    def fed_group(self) -> dist.ProcessGroup:
+        """Ranks holding the same (replicate, shard) slice in every group; the FedAvg all-reduce runs here."""
+        return self.device_mesh.get_group("fed")
+
+    @property
+    def group_index(self) -> int:
+        return self.device_mesh.get_local_rank("fed")
+
+    def _check_replicate_size(self, replicate_size: int) -> None:
+        if not isinstance(replicate_size, int) or replicate_size < self._min_replicate_size:
+            raise ValueError(
+                f"{type(self).__name__}: `replicate_size` must be an integer ≥ {self._min_replicate_size}, got"
+                f" {replicate_size!r}. FL+HSDP needs at least two replicas per group; use FLFSDPStrategy"
+                " (strategy='fl_fsdp') for groups without replication."
+            )
+
+    def _resolve_dims(self) -> FedShardDims:
+        dims = FedShardDims.resolve(
+            self.num_nodes * self.num_processes,
+            self.num_processes,
+            num_groups=self._num_groups,
+            replicate_size=self._replicate_size,
+            shard_size=self._shard_size,
+            default_replicate_size=self._min_replicate_size,
+        )
+        self._check_replicate_size(dims.replicate_size)
+        return dims
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning calls this once devices and nodes are known and before any process starts: the
+        # earliest point at which a mesh that cannot fit the world can be rejected.
+        self._dims = self._resolve_dims()
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._dims = self._resolve_dims()
+        self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        self._group_pg = self._build_group_process_group()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self.fsdp_mesh
+
+    def _build_group_process_group(self) -> dist.ProcessGroup | None:
+        dims = self.dims
+        if not dims.fed_enabled:
+            return None  # the default (world) group
+        ranks = [list(range(g * dims.group_size, (g + 1) * dims.group_size)) for g in range(dims.num_groups)]
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        return group
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of every group reads different samples.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ---- model --------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
+        if not is_sharded(self.model):
+            apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_initial_state(self.model, self.device_mesh)
+        self.ledger = CommLedger()
+        install_fsdp_counters(self.model, self.ledger, self.dims.replicate_size)
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._averager = FedAverager(
+                self.model.named_parameters(),
+                fed_group=self.fed_group,
+                replicate_group=self.device_mesh.get_group("replicate"),
+                ledger=self.ledger,
+                outer_optimizer=self.outer_optimizer,
+                outer_lr=self._outer_lr,
+                outer_momentum=self._outer_momentum,
+                sync_dtype=self._sync_dtype,
+                sync_mode=self.sync_mode,
+            )
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ---- federated rounds ---------------------------------------------------------------------------
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.optimizer_steps += 1
+        if self.optimizer_steps % self.sync_every == 0:
+            self.fed_sync()
+        self._log_communication()
+        return output
+
+    def fed_sync(self) -> None:
+        """One cross-group round: reshard every FSDP unit, then average the local shards across groups."""
+        if not self.dims.fed_enabled or self._averager is None:
+            return
+        reshard_all(self.model)
+        self._averager.sync()
+        self.syncs += 1
+        self._steps_at_last_sync = self.optimizer_steps
+
+    @override
+    def on_train_end(self) -> None:
+        # The fitted model is the federation's consensus, even when the run stops between syncs.
+        if self.optimizer_steps > self._steps_at_last_sync:
+            self.fed_sync()
+        super().on_train_end()
+
+    def _log_communication(self) -> None:
+        step_bytes = self.ledger.close_step()
+        metrics = {f"comm/{tier}_bytes": step_bytes[tier] for tier in TIERS}
+        metrics["fed/syncs"] = float(self.syncs)
+        assert self.lightning_module is not None
+        self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.ledger.paused = True  # evaluation traffic is not part of a training step
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self.ledger.paused = False
+        super().on_validation_end()
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        reshard_all(self.model)
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=True))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self._averager is not None:
+            state["outer"] = self._averager.state_dict()
+        save_group_state(path, self.group_index, state, self._group_pg)
+        checkpoint[FEDSHARD_KEY] = self._fedshard_meta()
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / META_FILENAME)
+        self.barrier()
+
+    def _fedshard_meta(self) -> dict[str, Any]:
+        dims = self.dims
+        return {
+            "num_groups": dims.num_groups,
+            "replicate_size": dims.replicate_size,
+            "shard_size": dims.shard_size,
+            "outer_optimizer": self.outer_optimizer,
+            "optimizer_steps": self.optimizer_steps,
+            "steps_at_last_sync": self._steps_at_last_sync,
+            "syncs": self.syncs,
+        }
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        meta = load_meta(path)
+        saved = meta.pop(FEDSHARD_KEY)
+        self._check_checkpoint_layout(saved, path)
+        assert self.model is not None
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
+        if self._averager is not None:
+            state["outer"] = self._averager.state_dict()
+        load_group_state(path, self.group_index, state, self._group_pg)
+        set_model_state_dict(self.model, state["state_dict"])
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
+        if self._averager is not None:
+            self._averager.load_state_dict(state["outer"])
+        self.optimizer_steps = saved["optimizer_steps"]
+        self._steps_at_last_sync = saved["steps_at_last_sync"]
+        self.syncs = saved["syncs"]
+        return meta
+
+    def _check_checkpoint_layout(self, saved: dict[str, Any], path: Path) -> None:
+        dims = self.dims
+        expected = {"num_groups": dims.num_groups, "replicate_size": dims.replicate_size, "shard_size": dims.shard_size}
+        found = {key: saved.get(key) for key in expected}
+        if found != expected:
+            raise ValueError(
+                f"The checkpoint {str(path)!r} was saved with mesh {found} but this run uses {expected}."
+                " Each federation group restores its own state, so the layout must match."
+            )
+        if saved.get("outer_optimizer") != self.outer_optimizer:
+            raise ValueError(
+                f"The checkpoint {str(path)!r} was saved with outer_optimizer={saved.get('outer_optimizer')!r},"
+                f" this run uses {self.outer_optimizer!r}."
+            )
+
+    # ---- shutdown -----------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._process_group_backend == "gloo" and not self._failed:
+            _shutdown_gloo_at_exit()
+
+
+_SHUTDOWN_REGISTERED = False
+
+
+def _shutdown_gloo_at_exit() -> None:
+    """FSDP2 on gloo may release its last collective's work object on a gloo thread after the interpreter
+    started finalising, which aborts the process ("terminate called without an active exception").
+    Destroying the process group while Python is still alive releases it in time."""
+    global _SHUTDOWN_REGISTERED
+    if not _SHUTDOWN_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _SHUTDOWN_REGISTERED = True
+
+
+def _destroy_process_group() -> None:
+    gc.collect()
+    if dist.is_initialized():
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _resolve_dtype(dtype: str | torch.dtype, owner: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"{owner}: `sync_dtype={dtype!r}` is not a floating-point torch dtype (e.g. 'float32').")
+    return resolved
+
+
+def _resolve_class(spec: str | type[nn.Module], owner: str) -> type[nn.Module]:
+    if isinstance(spec, type):
+        return spec
+    module_name, _, class_name = str(spec).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{owner}: cannot import the `auto_wrap` class {spec!r} ({err}).") from err
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"{owner}: `auto_wrap` entry {spec!r} is not an nn.Module class.")
+    return cls

@@ -1,0 +1,48 @@
+"""Launches ``worker.py`` runs (real gloo processes) and caches them for the whole session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("worker.py")
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_TIMEOUT_S = 300
+
+
+def launch(cfg: dict, out: Path) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "config.json"
+    config.write_text(json.dumps({**cfg, "out": str(out)}))
+    return subprocess.run(
+        [sys.executable, str(WORKER), str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+
+
+def load_ranks(out: Path, world_size: int) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@pytest.fixture(scope="session")
+def run_worker(tmp_path_factory):
+    """``run_worker(name, cfg)`` → per-rank records; each distinct run is launched once per session."""
+    cache: dict[str, list[dict]] = {}
+
+    def run(name: str, cfg: dict) -> list[dict]:
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            result = launch(cfg, out)
+            assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stderr[-6000:]}"
+            cache[name] = load_ranks(out, cfg["devices"])
+        return cache[name]
+
+    return run

@@ -1,0 +1,173 @@
+"""One training run under a registered strategy; launched by the tests as a script (Lightning spawns the ranks).
+
+Usage: python worker.py CONFIG.json — every rank writes ``<out>/rank<r>.pt`` with what it observed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_fedshard  # noqa: F401  (registers the strategy names)
+from lightning_fedshard.strategies.apply import reshard_all
+
+IN_FEATURES = 8
+NUM_SAMPLES = 4096
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+def random_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN_FEATURES, 16), Block(16), Block(16), nn.Linear(16, 1))
+
+
+def make_dataset(num_samples: int = NUM_SAMPLES) -> TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_samples, IN_FEATURES, generator=gen)
+    y = torch.sin(x.sum(dim=1, keepdim=True)) + 0.1 * torch.randn(num_samples, 1, generator=gen)
+    return TensorDataset(x, y)
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # Each rank starts from different weights: the strategy must make them identical.
+        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", 0)))
+        self.net = random_model()
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:  # the strategy shards per `auto_wrap`
+        pass
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.cfg.get("optimizer", "sgd") == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.cfg["lr"])
+        return torch.optim.SGD(self.parameters(), lr=self.cfg["lr"])
+
+    def train_dataloader(self):
+        dataset = make_dataset(self.cfg.get("num_samples", NUM_SAMPLES))
+        return DataLoader(dataset, batch_size=self.cfg["batch_size"], shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(make_dataset(), batch_size=64, shuffle=False)
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    reshard_all(module)
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in module.named_parameters()
+    }
+
+
+def recording(strategy_cls: type) -> type:
+    class Recording(strategy_cls):
+        records: list[dict] = []
+
+        def fed_sync(self) -> None:
+            pre = full_params(self.model)
+            super().fed_sync()
+            self.records.append({"step": self.optimizer_steps, "pre": pre, "post": full_params(self.model)})
+
+    return Recording
+
+
+class StepRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.initial: dict[str, torch.Tensor] = {}
+        self.params: list[dict[str, torch.Tensor]] = []
+        self.ledger: list[dict[str, float]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.initial = full_params(trainer.strategy.model)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.params.append(full_params(trainer.strategy.model))
+        m = trainer.callback_metrics
+        self.ledger.append({k: float(m[k]) for k in m if k.startswith(("comm/", "fed/"))})
+
+
+def checkpoint_callbacks(cfg: dict) -> list[pl.Callback]:
+    if not cfg.get("checkpoint_every"):
+        return []
+    return [ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg["checkpoint_every"], save_top_k=-1)]
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    entry = StrategyRegistry[cfg["strategy"]]
+    strategy = recording(entry["strategy"])(**{**entry["init_params"], **cfg.get("strategy_kwargs", {})})
+    recorder = StepRecorder()
+    module = Regression(cfg)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=cfg["devices"],
+        strategy=strategy,
+        max_steps=cfg["max_steps"],
+        accumulate_grad_batches=cfg.get("accumulate", 1),
+        limit_val_batches=cfg.get("limit_val_batches", 0),
+        val_check_interval=cfg.get("val_check_interval"),
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=bool(cfg.get("checkpoint_every")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, *checkpoint_callbacks(cfg)],
+    )
+    trainer.fit(module, ckpt_path=cfg.get("resume_from"))
+    if cfg.get("save_to"):
+        trainer.save_checkpoint(cfg["save_to"])
+    out = Path(cfg["out"])
+    mesh = trainer.strategy.device_mesh
+    torch.save(
+        {
+            "losses": module.losses,
+            "syncs": strategy.records,
+            "initial": recorder.initial,
+            "params": recorder.params,
+            "final": full_params(trainer.strategy.model),
+            "ledger_steps": recorder.ledger,
+            "ledger_mean": trainer.strategy.ledger.mean_per_step(),
+            "mesh": mesh.mesh.tolist(),
+            "mesh_dim_names": mesh.mesh_dim_names,
+            "coordinate": mesh.get_coordinate(),
+            "fsdp_mesh_dims": trainer.strategy.fsdp_mesh.mesh_dim_names,
+            "fed_group_ranks": torch.distributed.get_process_group_ranks(trainer.strategy.fed_group),
+            "sampler": trainer.strategy.distributed_sampler_kwargs,
+            "optimizer_steps": trainer.strategy.optimizer_steps,
+            "syncs_count": trainer.strategy.syncs,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
