@@ -15,12 +15,16 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 300
 
 
-def launch(cfg: dict, out: Path) -> subprocess.CompletedProcess:
+def launch(cfg: dict, out: Path, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Runs the worker with Lightning's own launcher (it spawns the other ranks) or under ``torchrun``."""
     out.mkdir(parents=True, exist_ok=True)
     config = out / "config.json"
     config.write_text(json.dumps({**cfg, "out": str(out)}))
+    launcher = [sys.executable]
+    if torchrun:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['devices']}"]
     return subprocess.run(
-        [sys.executable, str(WORKER), str(config)],
+        [*launcher, str(WORKER), str(config)],
         cwd=REPO,
         capture_output=True,
         text=True,
