@@ -219,7 +219,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_initial_state(self.model, self.device_mesh)
-        self.ledger = CommLedger()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.ledger = CommLedger()  # a later validate/test keeps the fit's counts readable
         install_fsdp_counters(self.model, self.ledger, self.dims.replicate_size)
         self.barrier()
 

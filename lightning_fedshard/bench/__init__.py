@@ -1,0 +1,1 @@
+"""Benchmarks: one module per reported table (``python -m lightning_fedshard.bench NAME``)."""

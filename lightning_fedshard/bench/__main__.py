@@ -1,0 +1,19 @@
+"""``python -m lightning_fedshard.bench NAME [ARGS]`` runs the benchmark ``NAME``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {"strategies": "lightning_fedshard.bench.strategies"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHMARKS:
+        sys.exit(f"usage: fedshard bench {{{','.join(BENCHMARKS)}}} [ARGS]")
+    importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
