@@ -44,6 +44,15 @@ FL_HSDP_LEADER_DILOCO = {
     **FL_HSDP,
     "strategy_kwargs": {**FL_HSDP["strategy_kwargs"], "sync_mode": "leader", "outer_optimizer": "nesterov"},
 }
+# bf16 parameters, fp32 average; two micro-batches per optimizer step
+FL_FSDP_BF16_ACCUMULATE = {
+    **FL_FSDP,
+    "strategy_kwargs": fl_fsdp(sync_every=2, sync_dtype="float32"),
+    "max_steps": 4,
+    "accumulate": 2,
+    "precision": "bf16-true",
+    "limit_val_batches": 0,
+}
 FSDP2 = {"strategy": "fsdp2", "strategy_kwargs": {"auto_wrap": AUTO_WRAP}, "devices": 4, "max_steps": 5, "lr": LR, "batch_size": BATCH}
 HSDP = {**FSDP2, "strategy": "hsdp", "strategy_kwargs": {"shard_size": 2, "auto_wrap": AUTO_WRAP}}
 
@@ -187,6 +196,22 @@ def test_nesterov_outer_step_matches_a_hand_written_diloco_update(run_worker):
             global_params[name] = global_params[name] - outer_lr * (pseudo_grad + momentum * buffers[name])
         for record in ranks:
             assert_params_close(record["syncs"][k]["post"], global_params, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_window_is_one_step_and_bf16_shards_are_averaged_in_fp32(run_worker):
+    ranks = run_worker("fl_fsdp-bf16-accumulate", FL_FSDP_BF16_ACCUMULATE)
+    for record in ranks:
+        assert len(record["losses"]) == 8 and record["optimizer_steps"] == 4
+        assert [s["step"] for s in record["syncs"]] == [2, 4]
+    for k in range(2):
+        pre = [ranks[0]["syncs"][k]["pre"], ranks[2]["syncs"][k]["pre"]]
+        assert all(t.dtype == torch.bfloat16 for t in pre[0].values())
+        fp32_mean = {n: ((pre[0][n].float() + pre[1][n].float()) / 2).to(torch.bfloat16) for n in pre[0]}
+        for record in ranks:
+            assert all(torch.equal(record["syncs"][k]["post"][n], fp32_mean[n]) for n in fp32_mean)
+    # the all-reduce carries fp32: twice the bf16 parameter bytes across the ranks of a group
+    fed = sum(ranks[r]["ledger_steps"][3]["comm/fed_bytes"] for r in (0, 1))  # batch 4 closes optimizer step 2
+    assert fed == 2 * param_bytes(ranks[0])
 
 
 # ---- communication ledger -------------------------------------------------------------------------

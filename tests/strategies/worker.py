@@ -132,6 +132,7 @@ def main(config_path: str) -> None:
         devices=cfg["devices"],
         strategy=strategy,
         max_steps=cfg["max_steps"],
+        precision=cfg.get("precision", "32-true"),
         accumulate_grad_batches=cfg.get("accumulate", 1),
         limit_val_batches=cfg.get("limit_val_batches", 0),
         val_check_interval=cfg.get("val_check_interval"),
