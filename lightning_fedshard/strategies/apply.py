@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["apply_fsdp", "broadcast_initial_state", "is_sharded", "reshard_all"]
+__all__ = ["apply_fsdp", "broadcast_initial_state", "check_fully_sharded", "is_sharded", "reshard_all"]
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -50,6 +50,18 @@ def apply_fsdp(
             fully_shard(child, **kwargs)
 
 
+def check_fully_sharded(module: nn.Module) -> None:
+    """Raises when a parameter escaped ``fully_shard``: nothing would reduce its gradients or average it
+    across groups, so the model copies would drift apart silently."""
+    plain = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"Parameters {plain[:5]}{' …' if len(plain) > 5 else ''} are not sharded by `fully_shard`. When"
+            " `configure_model` shards the model itself it must cover every parameter (finish with"
+            " `fully_shard` on the top-level modules), or leave sharding to the strategy's `auto_wrap`."
+        )
+
+
 def reshard_all(module: nn.Module) -> None:
     """Frees unsharded parameters everywhere. The root unit keeps its parameters gathered after a no-grad
     forward (validation), and its registered parameters are then plain tensors instead of shards."""
@@ -63,14 +75,13 @@ def broadcast_initial_state(module: nn.Module, mesh: DeviceMesh) -> None:
     """Makes every federation group and replica start from the same weights, whatever each rank's seed.
 
     FSDP2 never broadcasts initial weights. Parameter shards are copied from group 0 / replica 0 at the
-    same shard position; anything not sharded (buffers, ignored parameters) from global rank 0.
+    same shard position; buffers, which FSDP2 leaves whole on every rank, from global rank 0.
     """
-    shards = [p.to_local() for p in module.parameters() if isinstance(p, DTensor)]
+    shards = [p.to_local() for p in module.parameters()]
     for dim in ("fed", "replicate"):
         if mesh[dim].size() > 1:
             group = mesh.get_group(dim)
             for shard in shards:
                 dist.broadcast(shard, group=group, group_src=0)
-    replicated = [p for p in module.parameters() if not isinstance(p, DTensor)] + list(module.buffers())
-    for tensor in replicated:
-        dist.broadcast(tensor, src=0)
+    for buffer in module.buffers():
+        dist.broadcast(buffer, src=0)

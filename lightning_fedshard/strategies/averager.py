@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -44,7 +44,7 @@ class FedAverager:
 
     def __init__(
         self,
-        named_params: Iterator[tuple[str, nn.Parameter]] | Sequence[tuple[str, nn.Parameter]],
+        named_params: Iterable[tuple[str, nn.Parameter]],
         *,
         fed_group: ProcessGroup,
         replicate_group: ProcessGroup,
@@ -55,7 +55,7 @@ class FedAverager:
         sync_dtype: torch.dtype = torch.float32,
         sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
     ) -> None:
-        self.named_params = [(name, p) for name, p in named_params if isinstance(p, DTensor)]
+        self.named_params = list(named_params)
         self._fed_group = fed_group
         self._replicate_group = replicate_group
         self._ledger = ledger

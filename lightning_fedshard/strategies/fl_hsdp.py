@@ -32,7 +32,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fedshard.strategies.apply import apply_fsdp, broadcast_initial_state, is_sharded, reshard_all
+from lightning_fedshard.strategies.apply import (
+    apply_fsdp,
+    broadcast_initial_state,
+    check_fully_sharded,
+    is_sharded,
+    reshard_all,
+)
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
 from lightning_fedshard.strategies.group_checkpoint import (
@@ -215,6 +221,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
         if not is_sharded(self.model):
             apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap)
+        check_fully_sharded(self.model)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

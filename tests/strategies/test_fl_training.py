@@ -42,7 +42,9 @@ FL_HSDP = {
 }
 FL_HSDP_LEADER_DILOCO = {
     **FL_HSDP,
-    "strategy_kwargs": {**FL_HSDP["strategy_kwargs"], "sync_mode": "leader", "outer_optimizer": "nesterov"},
+    "strategy_kwargs": {"num_groups": 2, "replicate_size": 2, "shard_size": 2, "sync_every": 2,
+                        "sync_mode": "leader", "outer_optimizer": "nesterov"},
+    "shard_in_configure_model": True,  # fully_shard(..., mesh=self.device_mesh): the group's HSDP mesh
 }
 # bf16 parameters, fp32 average; two micro-batches per optimizer step
 FL_FSDP_BF16_ACCUMULATE = {

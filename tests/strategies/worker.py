@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,8 +55,14 @@ class Regression(pl.LightningModule):
         self.net = random_model()
         self.losses: list[float] = []
 
-    def configure_model(self) -> None:  # the strategy shards per `auto_wrap`
-        pass
+    def configure_model(self) -> None:
+        """Shards like a user would when ``shard_in_configure_model``; otherwise the strategy's ``auto_wrap``."""
+        if not self.cfg.get("shard_in_configure_model") or isinstance(self.net, FSDPModule):
+            return
+        for block in self.net:
+            if isinstance(block, Block):
+                fully_shard(block, mesh=self.device_mesh)
+        fully_shard(self.net, mesh=self.device_mesh)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
