@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +25,22 @@ def launch(cfg: dict, out: Path, torchrun: bool = False) -> subprocess.Completed
     launcher = [sys.executable]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['devices']}"]
-    return subprocess.run(
+    # A session of its own, so that a hung run takes every rank it spawned down with it.
+    proc = subprocess.Popen(
         [*launcher, str(WORKER), str(config)],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=LAUNCH_TIMEOUT_S,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[test] killed after {LAUNCH_TIMEOUT_S} s"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def load_ranks(out: Path, world_size: int) -> list[dict]:

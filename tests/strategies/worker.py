@@ -175,6 +175,7 @@ def main(config_path: str) -> None:
         },
         out / f"rank{trainer.global_rank}.pt",
     )
+    trainer.strategy.barrier()  # rank 0 (the launcher) must not exit before every rank wrote its file
 
 
 if __name__ == "__main__":
