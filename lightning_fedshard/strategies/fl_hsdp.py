@@ -219,7 +219,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
-        if not is_sharded(self.model):
+        if is_sharded(self.model):
+            reshard_all(self.model)  # set up again after fit: a last no-grad forward left root units gathered
+        else:
             apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap)
         check_fully_sharded(self.model)
         _materialize_distributed_module(self.model, self.root_device)

@@ -55,7 +55,17 @@ FL_FSDP_BF16_ACCUMULATE = {
     "precision": "bf16-true",
     "limit_val_batches": 0,
 }
-FSDP2 = {"strategy": "fsdp2", "strategy_kwargs": {"auto_wrap": AUTO_WRAP}, "devices": 4, "max_steps": 5, "lr": LR, "batch_size": BATCH}
+FSDP2 = {
+    "strategy": "fsdp2",
+    "strategy_kwargs": {"auto_wrap": AUTO_WRAP},
+    "devices": 4,
+    "max_steps": 5,
+    "lr": LR,
+    "batch_size": BATCH,
+    "limit_val_batches": 2,
+    "val_check_interval": 5,  # fit ends with a no-grad forward, then trainer.validate sets up again
+    "validate_after_fit": True,
+}
 HSDP = {**FSDP2, "strategy": "hsdp", "strategy_kwargs": {"shard_size": 2, "auto_wrap": AUTO_WRAP}}
 
 
@@ -168,6 +178,11 @@ def test_one_group_equals_a_single_process_sgd_reference(run_worker, cfg):
         for record in ranks:
             assert_params_close(record["params"][step], named(reference), rtol=1e-5, atol=1e-6)
     assert all(record["syncs_count"] == 0 for record in ranks)
+    if cfg.get("validate_after_fit"):
+        # two validation batches of 64 per rank, distinct across ranks, averaged over the world
+        x, y = make_dataset()[list(range(world * 2 * 64))]
+        expected = nn.functional.mse_loss(reference(x), y).item()
+        assert ranks[0]["validated"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_sync_every_step_equals_the_average_of_the_groups_models(run_worker):

@@ -151,6 +151,7 @@ def main(config_path: str) -> None:
         callbacks=[recorder, *checkpoint_callbacks(cfg)],
     )
     trainer.fit(module, ckpt_path=cfg.get("resume_from"))
+    validated = trainer.validate(module, verbose=False) if cfg.get("validate_after_fit") else None
     if cfg.get("save_to"):
         trainer.save_checkpoint(cfg["save_to"])
     out = Path(cfg["out"])
@@ -158,6 +159,7 @@ def main(config_path: str) -> None:
     torch.save(
         {
             "losses": module.losses,
+            "validated": validated,
             "syncs": strategy.records,
             "initial": recorder.initial,
             "params": recorder.params,
