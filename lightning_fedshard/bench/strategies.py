@@ -151,7 +151,14 @@ def run_one(cfg: RunConfig, out: Path) -> None:
 
 
 def launch(cfg: RunConfig, out: Path) -> dict:
-    command = [sys.executable, "-m", "lightning_fedshard.bench.strategies", "--run-one", json.dumps(asdict(cfg)), str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_fedshard.bench.strategies",
+        "--run-one",
+        json.dumps(asdict(cfg)),
+        str(out),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"The {cfg.strategy} run failed (exit {result.returncode}):\n{result.stderr[-4000:]}")

@@ -39,7 +39,9 @@ class StdlibBytes(Dataset):
         data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8).long()
         windows = (data.numel() - 1) // seq_len
         if windows < 1:
-            raise ValueError(f"StdlibBytes: the {split!r} corpus ({data.numel()} bytes) is shorter than one window of {seq_len}.")
+            raise ValueError(
+                f"StdlibBytes: the {split!r} corpus ({data.numel()} bytes) is shorter than one window of {seq_len}."
+            )
         self.inputs = data[: windows * seq_len].view(windows, seq_len)
         self.targets = data[1 : windows * seq_len + 1].view(windows, seq_len)
 

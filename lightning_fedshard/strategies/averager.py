@@ -78,13 +78,15 @@ class FedAverager:
         if self._outer is None:
             self._mean_across_groups_(local_shards)
             return
-        pseudo_grads = [ref - local.to(self._sync_dtype) for ref, local in zip(self._reference, local_shards)]
+        pseudo_grads = [
+            ref - local.to(self._sync_dtype) for ref, local in zip(self._reference, local_shards, strict=True)
+        ]
         self._mean_across_groups_(pseudo_grads)
-        for ref, grad in zip(self._reference, pseudo_grads):
+        for ref, grad in zip(self._reference, pseudo_grads, strict=True):
             ref.grad = grad
         self._outer.step()
         self._outer.zero_grad(set_to_none=True)
-        for local, ref in zip(local_shards, self._reference):
+        for local, ref in zip(local_shards, self._reference, strict=True):
             local.copy_(ref)
 
     def _mean_across_groups_(self, tensors: list[torch.Tensor]) -> None:
@@ -112,7 +114,7 @@ class FedAverager:
         if self._outer is None:
             return {}
         state: dict[str, dict[str, DTensor]] = {"reference": {}, "momentum": {}}
-        for (name, p), ref in zip(self.named_params, self._reference):
+        for (name, p), ref in zip(self.named_params, self._reference, strict=True):
             state["reference"][name] = _like(p, ref)
             state["momentum"][name] = _like(p, self._outer.state[ref]["momentum_buffer"])
         return state
@@ -121,7 +123,7 @@ class FedAverager:
     def load_state_dict(self, state: dict[str, dict[str, DTensor]]) -> None:
         if self._outer is None:
             return
-        for (name, _), ref in zip(self.named_params, self._reference):
+        for (name, _), ref in zip(self.named_params, self._reference, strict=True):
             ref.copy_(state["reference"][name].to_local())
             self._outer.state[ref]["momentum_buffer"].copy_(state["momentum"][name].to_local())
 

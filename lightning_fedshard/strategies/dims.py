@@ -52,10 +52,6 @@ class FedShardDims:
     def fed_enabled(self) -> bool:
         return self.num_groups > 1
 
-    @property
-    def replicate_enabled(self) -> bool:
-        return self.replicate_size > 1
-
     @classmethod
     def resolve(
         cls,
@@ -97,7 +93,9 @@ class FedShardDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The 3-D ``("fed", "replicate", "shard")`` mesh over all ranks; needs an initialised process group."""
-        return init_device_mesh(device_type, (self.num_groups, self.replicate_size, self.shard_size), mesh_dim_names=MESH_DIM_NAMES)
+        return init_device_mesh(
+            device_type, (self.num_groups, self.replicate_size, self.shard_size), mesh_dim_names=MESH_DIM_NAMES
+        )
 
     @staticmethod
     def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -114,4 +112,3 @@ def _leftover(world_size: int, divisor: int, name: str) -> int:
             " other mesh sizes. Pass sizes whose product divides the number of processes (num_nodes × devices)."
         )
     return world_size // divisor
-

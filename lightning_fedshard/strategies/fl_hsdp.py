@@ -108,9 +108,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         name = type(self).__name__
         if not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"{name}: `sync_every` must be an integer ≥ 1 (optimizer steps between syncs), got {sync_every!r}.")
+            raise ValueError(
+                f"{name}: `sync_every` must be an integer ≥ 1 (optimizer steps between syncs), got {sync_every!r}."
+            )
         if outer_optimizer not in OUTER_OPTIMIZERS:
-            raise ValueError(f"{name}: unknown `outer_optimizer={outer_optimizer!r}`; choose one of {OUTER_OPTIMIZERS}.")
+            raise ValueError(
+                f"{name}: unknown `outer_optimizer={outer_optimizer!r}`; choose one of {OUTER_OPTIMIZERS}."
+            )
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"{name}: unknown `sync_mode={sync_mode!r}`; choose one of {SYNC_MODES}.")
         for arg, value in (("num_groups", num_groups), ("shard_size", shard_size)):
@@ -253,9 +257,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
     # ---- federated rounds ---------------------------------------------------------------------------
 
     @override
-    def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.optimizer_steps += 1
         if self.optimizer_steps % self.sync_every == 0:

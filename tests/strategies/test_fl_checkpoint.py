@@ -14,7 +14,12 @@ pytestmark = pytest.mark.multiproc
 # 4 ranks × batch 4 over 32 samples: 2 steps per epoch, so every checkpoint falls on an epoch boundary.
 BASE = {
     "strategy": "fl_fsdp",
-    "strategy_kwargs": {"num_groups": 2, "sync_every": 4, "outer_optimizer": "nesterov", "auto_wrap": ["__main__.Block"]},
+    "strategy_kwargs": {
+        "num_groups": 2,
+        "sync_every": 4,
+        "outer_optimizer": "nesterov",
+        "auto_wrap": ["__main__.Block"],
+    },
     "devices": 4,
     "lr": 0.01,
     "optimizer": "adamw",
@@ -59,7 +64,7 @@ def test_checkpoint_keeps_each_group_apart(runs):
 @pytest.mark.parametrize(("resumed", "from_step"), [("resumed_after_sync", 8), ("resumed_mid_round", 6)])
 def test_resume_reproduces_the_uninterrupted_run(runs, resumed, from_step):
     full, part = runs["uninterrupted"], runs[resumed]
-    for rank, (a, b) in enumerate(zip(full, part)):
+    for rank, (a, b) in enumerate(zip(full, part, strict=True)):
         assert b["losses"] == pytest.approx(a["losses"][from_step:], rel=1e-6, abs=1e-7), f"rank {rank}"
         for name in a["final"]:
             torch.testing.assert_close(b["final"][name], a["final"][name], rtol=1e-6, atol=1e-7)
@@ -79,7 +84,11 @@ def test_mid_round_checkpoint_holds_diverged_groups(runs):
 
 
 def test_resuming_with_another_mesh_fails_on_every_rank_with_the_layout(runs, tmp_path):
-    cfg = {**BASE, "strategy": "fsdp2", "strategy_kwargs": {"auto_wrap": ["__main__.Block"], "outer_optimizer": "nesterov"}}
+    cfg = {
+        **BASE,
+        "strategy": "fsdp2",
+        "strategy_kwargs": {"auto_wrap": ["__main__.Block"], "outer_optimizer": "nesterov"},
+    }
     result = launch({**cfg, "max_steps": 12, "resume_from": str(runs["paths"]["step8"])}, tmp_path)
     assert result.returncode != 0
     assert "was saved with mesh {'num_groups': 2, 'replicate_size': 1, 'shard_size': 2}" in result.stderr

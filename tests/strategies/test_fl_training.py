@@ -7,7 +7,6 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from tests.strategies.conftest import launch
 from tests.strategies.worker import make_dataset, random_model
 
 pytestmark = pytest.mark.multiproc
@@ -42,8 +41,14 @@ FL_HSDP = {
 }
 FL_HSDP_LEADER_DILOCO = {
     **FL_HSDP,
-    "strategy_kwargs": {"num_groups": 2, "replicate_size": 2, "shard_size": 2, "sync_every": 2,
-                        "sync_mode": "leader", "outer_optimizer": "nesterov"},
+    "strategy_kwargs": {
+        "num_groups": 2,
+        "replicate_size": 2,
+        "shard_size": 2,
+        "sync_every": 2,
+        "sync_mode": "leader",
+        "outer_optimizer": "nesterov",
+    },
     "shard_in_configure_model": True,  # fully_shard(..., mesh=self.device_mesh): the group's HSDP mesh
 }
 # bf16 parameters, fp32 average; two micro-batches per optimizer step
@@ -143,7 +148,7 @@ def test_groups_start_identical_diverge_between_syncs_and_agree_after(run_worker
     for record in ranks[1:]:  # every rank drew different random weights; the strategy broadcast rank 0's
         assert not differ(record["initial"], ranks[0]["initial"])
     group0, group1 = ranks[0], ranks[2]
-    for step, (p0, p1) in enumerate(zip(group0["params"], group1["params"]), start=1):
+    for step, (p0, p1) in enumerate(zip(group0["params"], group1["params"], strict=True), start=1):
         assert differ(p0, p1) == (step % 3 != 0), f"step {step}"
     assert [s["step"] for s in group0["syncs"]] == [3, 6, 7]  # 7: the closing sync of fit
     assert group0["syncs_count"] == 3
@@ -255,7 +260,9 @@ def test_fed_bytes_per_step_fall_by_sync_every_and_match_parameter_bytes_over_sh
     mean_3 = sum(fed_bytes(every_3[0], s) for s in range(1, 7)) / 6
     mean_1 = sum(fed_bytes(every_1[0], s) for s in range(1, 7)) / 6
     assert mean_1 == pytest.approx(3 * mean_3)
-    assert all(step["comm/shard_bytes"] > 0 and step["comm/replicate_bytes"] == 0 for step in every_3[0]["ledger_steps"])
+    assert all(
+        step["comm/shard_bytes"] > 0 and step["comm/replicate_bytes"] == 0 for step in every_3[0]["ledger_steps"]
+    )
 
 
 def test_hsdp_ledger_counts_the_replicate_tier_and_leader_mode_halves_fed_traffic(run_worker):
