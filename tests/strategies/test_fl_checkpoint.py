@@ -93,3 +93,30 @@ def test_resuming_with_another_mesh_fails_on_every_rank_with_the_layout(runs, tm
     assert result.returncode != 0
     assert "was saved with mesh {'num_groups': 2, 'replicate_size': 1, 'shard_size': 2}" in result.stderr
     assert "this run uses {'num_groups': 1, 'replicate_size': 1, 'shard_size': 4}" in result.stderr
+
+
+def test_fl_hsdp_mid_round_resume_restores_each_group_and_replica(tmp_path):
+    """Inside a group the replicas hold the same shards, so each group's checkpoint de-duplicates them."""
+    hsdp = {
+        **BASE,
+        "strategy": "fl_hsdp",
+        "strategy_kwargs": {
+            "num_groups": 2,
+            "replicate_size": 2,
+            "shard_size": 2,
+            "sync_every": 4,
+            "outer_optimizer": "nesterov",
+            "auto_wrap": ["__main__.Block"],
+        },
+        "devices": 8,
+        "num_samples": 64,  # 8 ranks × batch 4: 2 steps per epoch
+    }
+    full = _run({**hsdp, "max_steps": 8}, tmp_path / "full")
+    _run({**hsdp, "max_steps": 6, "checkpoint_every": 6, "checkpoint_dir": str(tmp_path / "ckpt")}, tmp_path / "first")
+    (step6,) = (tmp_path / "ckpt").glob("*step=6.ckpt")
+    resumed = _run({**hsdp, "max_steps": 8, "resume_from": str(step6)}, tmp_path / "resumed")
+    for a, b in zip(full, resumed, strict=True):
+        assert b["losses"] == pytest.approx(a["losses"][6:], rel=1e-6, abs=1e-7)
+        for name in a["final"]:
+            torch.testing.assert_close(b["final"][name], a["final"][name], rtol=1e-6, atol=1e-7)
+        assert [s["step"] for s in b["syncs"]] == [8]
