@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import StrategyRegistry
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_fedshard.data import StdlibBytes
 from lightning_fedshard.models import ByteMLPLM
-from lightning_fedshard.strategies import FLFSDPStrategy, FLHSDPStrategy
+from lightning_fedshard.strategies import FLHSDPStrategy
 from lightning_fedshard.strategies.ledger import TIERS
 
 __all__ = ["RunConfig", "layouts", "main"]
@@ -50,19 +51,22 @@ def layouts(devices: int) -> dict[str, dict]:
     """Mesh sizes for each strategy on ``devices`` ranks of one node: groups of two for the FL variants."""
     half = devices // 2
     return {
-        "fsdp2": {"num_groups": 1},
-        "hsdp": {"num_groups": 1, "shard_size": half},
+        "fsdp2": {},  # the preset's one group over all ranks
+        "hsdp": {"shard_size": half},
         "fl_fsdp": {"num_groups": 2, "shard_size": half},
         "fl_hsdp": {"num_groups": 2, "replicate_size": 2, "shard_size": max(half // 2, 1)},
     }
 
 
 def build_strategy(cfg: RunConfig) -> FLHSDPStrategy:
-    sizes = layouts(cfg.devices)[cfg.strategy]
-    common = {"sync_every": cfg.sync_every, "auto_wrap": ["lightning_fedshard.models.ResidualMLPBlock"]}
-    if cfg.strategy in ("fsdp2", "fl_fsdp"):
-        return FLFSDPStrategy(**sizes, **common)
-    return FLHSDPStrategy(**sizes, **common)
+    """The registered strategy ``cfg.strategy`` with its preset, sized by :func:`layouts`."""
+    entry = StrategyRegistry[cfg.strategy]
+    return entry["strategy"](
+        **entry["init_params"],
+        **layouts(cfg.devices)[cfg.strategy],
+        sync_every=cfg.sync_every,
+        auto_wrap=["lightning_fedshard.models.ResidualMLPBlock"],
+    )
 
 
 class ByteLMTask(pl.LightningModule):

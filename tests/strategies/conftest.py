@@ -49,15 +49,16 @@ def load_ranks(out: Path, world_size: int) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def run_worker(tmp_path_factory):
-    """``run_worker(name, cfg)`` → per-rank records; each distinct run is launched once per session."""
+    """``run_worker(cfg)`` → per-rank records; each distinct config is launched once per session."""
     cache: dict[str, list[dict]] = {}
 
-    def run(name: str, cfg: dict) -> list[dict]:
-        if name not in cache:
-            out = tmp_path_factory.mktemp(name)
+    def run(cfg: dict) -> list[dict]:
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(cfg["strategy"])
             result = launch(cfg, out)
-            assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stderr[-6000:]}"
-            cache[name] = load_ranks(out, cfg["devices"])
-        return cache[name]
+            assert result.returncode == 0, f"{cfg['strategy']} exited {result.returncode}:\n{result.stderr[-6000:]}"
+            cache[key] = load_ranks(out, cfg["devices"])
+        return cache[key]
 
     return run

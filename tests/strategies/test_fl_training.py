@@ -131,7 +131,7 @@ def differ(a: dict, b: dict) -> bool:
     ids=["fl_fsdp-2x1x2", "fl_hsdp-2x2x2", "fsdp2", "hsdp"],
 )
 def test_mesh_shape_and_rank_layout(run_worker, cfg, mesh, fsdp_dims, fed_group_of_rank0):
-    ranks = run_worker(f"{cfg['strategy']}-{cfg['devices']}-{cfg['strategy_kwargs'].get('sync_mode', '')}", cfg)
+    ranks = run_worker(cfg)
     world = cfg["devices"]
     for rank, record in enumerate(ranks):
         assert record["mesh"] == mesh and record["mesh_dim_names"] == ("fed", "replicate", "shard")
@@ -144,7 +144,7 @@ def test_mesh_shape_and_rank_layout(run_worker, cfg, mesh, fsdp_dims, fed_group_
 
 
 def test_groups_start_identical_diverge_between_syncs_and_agree_after(run_worker):
-    ranks = run_worker("fl_fsdp-4-", FL_FSDP)
+    ranks = run_worker(FL_FSDP)
     for record in ranks[1:]:  # every rank drew different random weights; the strategy broadcast rank 0's
         assert not differ(record["initial"], ranks[0]["initial"])
     group0, group1 = ranks[0], ranks[2]
@@ -156,7 +156,7 @@ def test_groups_start_identical_diverge_between_syncs_and_agree_after(run_worker
 
 def test_sync_sets_every_rank_to_the_exact_mean_of_the_groups(run_worker):
     for cfg in (FL_FSDP, FL_HSDP):
-        ranks = run_worker(f"{cfg['strategy']}-{cfg['devices']}-", cfg)
+        ranks = run_worker(cfg)
         group_size = len(ranks) // 2
         for k in range(len(ranks[0]["syncs"])):
             pre = [ranks[0]["syncs"][k]["pre"], ranks[group_size]["syncs"][k]["pre"]]
@@ -167,7 +167,7 @@ def test_sync_sets_every_rank_to_the_exact_mean_of_the_groups(run_worker):
 
 
 def test_hsdp_replicas_stay_identical_inside_a_group(run_worker):
-    ranks = run_worker("fl_hsdp-8-", FL_HSDP)
+    ranks = run_worker(FL_HSDP)
     for step in range(FL_HSDP["max_steps"]):
         assert not differ(ranks[0]["params"][step], ranks[2]["params"][step])  # replica 0 vs 1 of group 0
         assert not differ(ranks[4]["params"][step], ranks[6]["params"][step])
@@ -175,7 +175,7 @@ def test_hsdp_replicas_stay_identical_inside_a_group(run_worker):
 
 @pytest.mark.parametrize("cfg", [FSDP2, HSDP], ids=["fsdp2", "hsdp"])
 def test_one_group_equals_a_single_process_sgd_reference(run_worker, cfg):
-    ranks = run_worker(f"{cfg['strategy']}-{cfg['devices']}-", cfg)
+    ranks = run_worker(cfg)
     world = cfg["devices"]
     reference = initial_model(ranks[0]["initial"])
     for step in range(cfg["max_steps"]):
@@ -191,7 +191,7 @@ def test_one_group_equals_a_single_process_sgd_reference(run_worker, cfg):
 
 
 def test_sync_every_step_equals_the_average_of_the_groups_models(run_worker):
-    ranks = run_worker("fl_fsdp-every-step", FL_FSDP_EVERY_STEP)
+    ranks = run_worker(FL_FSDP_EVERY_STEP)
     world, groups = 4, [[0, 1], [2, 3]]
     consensus = ranks[0]["initial"]
     for step in range(FL_FSDP_EVERY_STEP["max_steps"]):
@@ -206,7 +206,7 @@ def test_sync_every_step_equals_the_average_of_the_groups_models(run_worker):
 
 
 def test_nesterov_outer_step_matches_a_hand_written_diloco_update(run_worker):
-    ranks = run_worker("fl_hsdp-8-leader", FL_HSDP_LEADER_DILOCO)
+    ranks = run_worker(FL_HSDP_LEADER_DILOCO)
     outer_lr, momentum = 0.7, 0.9
     global_params = dict(ranks[0]["initial"])
     buffers = {name: torch.zeros_like(t) for name, t in global_params.items()}
@@ -221,7 +221,7 @@ def test_nesterov_outer_step_matches_a_hand_written_diloco_update(run_worker):
 
 
 def test_accumulation_window_is_one_step_and_bf16_shards_are_averaged_in_fp32(run_worker):
-    ranks = run_worker("fl_fsdp-bf16-accumulate", FL_FSDP_BF16_ACCUMULATE)
+    ranks = run_worker(FL_FSDP_BF16_ACCUMULATE)
     for record in ranks:
         assert len(record["losses"]) == 8 and record["optimizer_steps"] == 4
         assert [s["step"] for s in record["syncs"]] == [2, 4]
@@ -248,8 +248,8 @@ def fed_bytes(record: dict, step: int) -> float:
 
 
 def test_fed_bytes_per_step_fall_by_sync_every_and_match_parameter_bytes_over_shard_size(run_worker):
-    every_3 = run_worker("fl_fsdp-4-", FL_FSDP)
-    every_1 = run_worker("fl_fsdp-every-step", FL_FSDP_EVERY_STEP)
+    every_3 = run_worker(FL_FSDP)
+    every_1 = run_worker(FL_FSDP_EVERY_STEP)
     # Each rank all-reduces its 1/S slice; with F = 2 the ring sends 2·(F-1)/F = 1× that slice, so the
     # ranks of one group together send the model's bytes once per sync.
     for records, sync_every in ((every_3, 3), (every_1, 1)):
@@ -266,8 +266,8 @@ def test_fed_bytes_per_step_fall_by_sync_every_and_match_parameter_bytes_over_sh
 
 
 def test_hsdp_ledger_counts_the_replicate_tier_and_leader_mode_halves_fed_traffic(run_worker):
-    every_replica = run_worker("fl_hsdp-8-", FL_HSDP)
-    leader = run_worker("fl_hsdp-8-leader", FL_HSDP_LEADER_DILOCO)
+    every_replica = run_worker(FL_HSDP)
+    leader = run_worker(FL_HSDP_LEADER_DILOCO)
     group0 = range(4)  # ranks (replicate, shard) = (0,0), (0,1), (1,0), (1,1)
     model_bytes = param_bytes(every_replica[0])
     assert sum(fed_bytes(every_replica[r], 2) for r in group0) == 2 * model_bytes
