@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["apply_fsdp", "broadcast_initial_state", "check_fully_sharded", "is_sharded", "reshard_all"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "broadcast_initial_state",
+    "check_fully_sharded",
+    "is_sharded",
+    "reshard_all",
+    "shard_seeded_rng",
+]
 
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied anywhere in ``module`` (by the user's ``configure_model`` or by us)."""
     return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def apply_activation_checkpointing(module: nn.Module, classes: Sequence[type[nn.Module]]) -> int:
+    """Recomputes the activations of every instance of ``classes`` in the backward pass instead of storing
+    them; returns how many modules it applied to. Call before :func:`apply_fsdp`: the composable
+    ``checkpoint`` keeps module types and parameter names, so sharding and checkpoints see the same model."""
+    targets = [m for m in module.modules() if m is not module and isinstance(m, tuple(classes))]
+    for target in targets:
+        checkpoint(target)
+    return len(targets)
 
 
 def apply_fsdp(
@@ -60,6 +81,22 @@ def check_fully_sharded(module: nn.Module) -> None:
             " `configure_model` shards the model itself it must cover every parameter (finish with"
             " `fully_shard` on the top-level modules), or leave sharding to the strategy's `auto_wrap`."
         )
+
+
+@contextmanager
+def shard_seeded_rng(mesh: DeviceMesh, device: torch.device) -> Iterator[None]:
+    """Seeds the RNG by shard position while meta parameters are initialised shard by shard.
+
+    On CPU, DTensor random ops fill each local shard from the rank's own generator, so equally seeded ranks
+    would give every shard of a weight the same values. Offsetting the seed by the shard index makes the
+    shards independent draws; replicas and federation groups at one shard index draw the same values.
+    """
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # the seeding below is the answer to this warning
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        torch.manual_seed((torch.initial_seed() + 1_000_003 * mesh.get_local_rank("shard")) % 2**63)
+        yield
 
 
 def reshard_all(module: nn.Module) -> None:

@@ -40,6 +40,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
         outer_momentum: float = 0.9,
         sync_dtype: str | torch.dtype = "float32",
         auto_wrap: Sequence[str | type[nn.Module]] | None = None,
+        activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -53,6 +54,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
             outer_momentum=outer_momentum,
             sync_dtype=sync_dtype,
             auto_wrap=auto_wrap,
+            activation_checkpointing=activation_checkpointing,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )

@@ -29,15 +29,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fedshard.strategies.apply import (
+    apply_activation_checkpointing,
     apply_fsdp,
     broadcast_initial_state,
     check_fully_sharded,
     is_sharded,
     reshard_all,
+    shard_seeded_rng,
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
@@ -77,6 +80,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
             ``"leader"`` (replica 0 all-reduces across groups, then broadcasts inside its group).
         auto_wrap: Module classes (or their import paths) to shard one FSDP unit per instance when the
             LightningModule's ``configure_model`` does not call ``fully_shard`` itself.
+        activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
+            backward pass instead of stored (applied before ``auto_wrap`` sharding).
+
+    With ``precision="bf16-mixed"`` the FSDP2 units gather parameters in bf16 and reduce gradients in fp32
+    (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay in fp32. A model built on the
+    meta device is materialised shard by shard, calling each module's ``reset_parameters()``.
 
     ``LightningModule.device_mesh`` is the mesh of one model copy (``("replicate", "shard")``), so a
     ``configure_model`` that calls ``fully_shard(block, mesh=self.device_mesh)`` shards inside its group.
@@ -102,6 +111,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         sync_dtype: str | torch.dtype = "float32",
         sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
         auto_wrap: Sequence[str | type[nn.Module]] | None = None,
+        activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -132,6 +142,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self._sync_dtype = _resolve_dtype(sync_dtype, name)
         self.sync_mode = sync_mode
         self._auto_wrap = tuple(_resolve_class(c, name) for c in auto_wrap or ())
+        self._activation_checkpointing = tuple(_resolve_class(c, name) for c in activation_checkpointing or ())
         self._dims: FedShardDims | None = None
         self._group_pg: dist.ProcessGroup | None = None
         self._averager: FedAverager | None = None
@@ -226,9 +237,11 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if is_sharded(self.model):
             reshard_all(self.model)  # set up again after fit: a last no-grad forward left root units gathered
         else:
-            apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap)
+            apply_activation_checkpointing(self.model, self._activation_checkpointing)
+            apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap, mp_policy=self._mixed_precision_policy())
         check_fully_sharded(self.model)
-        _materialize_distributed_module(self.model, self.root_device)
+        with shard_seeded_rng(self.device_mesh, self.root_device):
+            _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_initial_state(self.model, self.device_mesh)
@@ -253,6 +266,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        if getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
+            # bf16 halves the all-gather bytes; reducing in fp32 keeps small gradient contributions
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
 
     # ---- federated rounds ---------------------------------------------------------------------------
 
@@ -279,6 +298,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         # The fitted model is the federation's consensus, even when the run stops between syncs.
         if self.optimizer_steps > self._steps_at_last_sync:
             self.fed_sync()
+        reshard_all(self.model)  # a last validation may have left root units gathered: hand back shards
         super().on_train_end()
 
     def _log_communication(self) -> None:
@@ -296,6 +316,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         self.ledger.paused = False
+        reshard_all(self.model)  # root units stay gathered after a no-grad forward; free that memory now
         super().on_validation_end()
 
     # ---- checkpoints --------------------------------------------------------------------------------
