@@ -1,0 +1,126 @@
+"""Where the text comes from: an embedded corpus, local files, or a Hugging Face Hub dataset.
+
+Every loader returns a ``datasets`` dataset with a single ``"text"`` column, one row per document.
+"""
+
+from __future__ import annotations
+
+import glob
+import sysconfig
+from pathlib import Path
+from typing import Literal
+
+import datasets
+
+__all__ = ["VALIDATION_MODULES", "load_hub_corpus", "load_text_corpus", "stdlib_corpus", "stdlib_sources"]
+
+#: Standard-library modules held out for validation; every CPython ships them.
+VALIDATION_MODULES = ("difflib", "random", "string", "textwrap")
+
+# One ``datasets`` builder reads all the files of a corpus, so a corpus may not mix builders.
+_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def stdlib_sources() -> list[Path]:
+    """Top-level ``*.py`` files of the running interpreter's standard library, sorted so every rank agrees."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def stdlib_corpus(split: Literal["train", "val"]) -> datasets.Dataset:
+    """The embedded default corpus, needing no download: one row per standard-library source file.
+
+    Files whose stem is in :data:`VALIDATION_MODULES` form the ``"val"`` split, the others ``"train"``.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"stdlib_corpus: `split` must be 'train' or 'val', got {split!r}.")
+    files = [f for f in stdlib_sources() if (f.stem in VALIDATION_MODULES) == (split == "val")]
+    # Bytes, not read_text(): universal-newline decoding would rewrite any "\r\n" in the sources.
+    return datasets.Dataset.from_dict({"text": [f.read_bytes().decode("utf-8") for f in files]})
+
+
+def _corpus_files(path: str | Path) -> list[Path]:
+    """The files a corpus path names: the file itself, a directory's supported files, or a glob's matches."""
+    name = str(path)
+    supported = ", ".join(_BUILDERS)
+    if Path(path).is_dir():
+        files = sorted(f for f in Path(path).rglob("*") if f.is_file() and f.suffix in _BUILDERS)
+    elif Path(path).is_file():
+        files = [Path(path)]
+    elif any(c in name for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(name, recursive=True) if Path(f).is_file())
+    else:
+        raise FileNotFoundError(f"load_text_corpus: {name!r} does not exist; pass a file, a directory or a glob.")
+    if not files:
+        raise FileNotFoundError(f"load_text_corpus: no {supported} files found at {name!r}.")
+    unsupported = sorted({f.suffix for f in files} - set(_BUILDERS))
+    if unsupported:
+        raise ValueError(f"load_text_corpus: {name!r} has files of unsupported type {unsupported}; use {supported}.")
+    builders = {_BUILDERS[f.suffix] for f in files}
+    if len(builders) > 1:
+        raise ValueError(
+            f"load_text_corpus: {name!r} mixes file types {sorted({f.suffix for f in files})}; "
+            "put each format in its own directory and use one of them."
+        )
+    return files
+
+
+def load_text_corpus(
+    path: str | Path, text_field: str = "text", cache_dir: str | Path | None = None
+) -> datasets.Dataset:
+    """Load a local corpus: ``.txt`` (one document per file), ``.jsonl``/``.json`` or ``.parquet`` (one per row).
+
+    ``path`` is a file, a directory (its supported files, recursively, sorted) or a glob. ``text_field`` is
+    the column holding the text in JSON and Parquet files; the result names it ``"text"``. ``cache_dir`` is
+    where ``datasets`` keeps its Arrow copy (``None``: the default Hugging Face cache); nothing is downloaded.
+    """
+    files = _corpus_files(path)
+    builder = _BUILDERS[files[0].suffix]
+    if all(f.stat().st_size == 0 for f in files):
+        raise ValueError(f"load_text_corpus: the corpus at {str(path)!r} is empty (all its files are empty).")
+    options = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        corpus = datasets.load_dataset(
+            builder,
+            data_files=[str(f) for f in files],
+            split="train",
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            **options,
+        )
+    except Exception as e:  # datasets raises assorted types (even StopIteration) for empty or broken files
+        raise ValueError(
+            f"load_text_corpus: could not read the {builder} files at {str(path)!r} ({type(e).__name__}: {e}); "
+            "check that they are well-formed and not empty."
+        ) from e
+    if builder == "text":
+        text_field = "text"  # the text builder always names its column "text"
+    if text_field not in corpus.column_names:
+        raise ValueError(
+            f"load_text_corpus: the corpus at {str(path)!r} has no column {text_field!r} "
+            f"(columns: {corpus.column_names}); set `text_field` to the column holding the text."
+        )
+    if getattr(corpus.features[text_field], "dtype", None) not in ("string", "large_string"):
+        raise ValueError(
+            f"load_text_corpus: column {text_field!r} of {str(path)!r} holds {corpus.features[text_field]}, "
+            "not strings; set `text_field` to the column holding the text."
+        )
+    corpus = corpus.select_columns([text_field])
+    if text_field != "text":
+        corpus = corpus.rename_column(text_field, "text")
+    if not any(corpus["text"]):
+        raise ValueError(f"load_text_corpus: the corpus at {str(path)!r} is empty (no document has any text).")
+    return corpus
+
+
+def load_hub_corpus(
+    name: str, split: str = "train", config: str | None = None, text_field: str = "text"
+) -> datasets.IterableDataset:
+    """Stream a split of a Hugging Face Hub dataset (needs network access), e.g. ``"HuggingFaceFW/fineweb"``."""
+    corpus = datasets.load_dataset(name, config, split=split, streaming=True)
+    # Streamed datasets may not know their columns before the first row; then a wrong field fails on it.
+    if corpus.column_names is not None and text_field not in corpus.column_names:
+        raise ValueError(
+            f"load_hub_corpus: split {split!r} of {name!r} has no column {text_field!r} "
+            f"(columns: {corpus.column_names}); set `text_field` to the column holding the text."
+        )
+    corpus = corpus.select_columns([text_field])
+    return corpus if text_field == "text" else corpus.rename_column(text_field, "text")
