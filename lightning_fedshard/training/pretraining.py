@@ -1,0 +1,148 @@
+"""Llama 3.1 pre-training as a LightningModule: next-token loss, AdamW, warm-up + cosine, perplexity."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from torch.nn import functional as F
+from torch.optim.lr_scheduler import LambdaLR
+from torchmetrics import MeanMetric
+
+from lightning_fedshard.data.packing import IGNORE_INDEX
+from lightning_fedshard.models import Llama, LlamaConfig
+from lightning_fedshard.training.schedule import warmup_cosine
+
+__all__ = ["LlamaPretraining"]
+
+Batch = tuple[Tensor, Tensor]
+
+
+class LlamaPretraining(pl.LightningModule):
+    """Pre-trains a Llama 3.1 model from scratch on packed ``(inputs, targets)`` token batches.
+
+    Arguments:
+        preset: A name from :data:`lightning_fedshard.models.PRESETS` (``"llama3.1-8b"``, ``"llama3.1-1b"``,
+            ``"llama3.1-tiny"``, ``"llama3.1-micro"``).
+        overrides: Fields of :class:`~lightning_fedshard.models.LlamaConfig` to change on the preset.
+        seq_len: Training sequence length (linked to the data module's by ``fedshard``); must fit the
+            rotary context ``max_seq_len``.
+        lr, betas, eps, weight_decay: AdamW; weight decay applies to matrices and embeddings, not to norms.
+            AdamW is fused on CUDA.
+        warmup_fraction: Share of the run's optimizer steps spent warming up linearly.
+        min_lr_ratio: The cosine decay ends at ``lr * min_lr_ratio``.
+
+    Under a sharding strategy (``fl_fsdp``, ``fl_hsdp``, ``fsdp2``, ``hsdp``) the model is built on the meta
+    device and each rank materialises only its shards. Validation logs ``val_loss`` (mean next-token
+    cross-entropy over all ranks' tokens) and ``val_ppl`` = ``exp(val_loss)``.
+
+    Example::
+
+        model = LlamaPretraining("llama3.1-tiny", seq_len=128, lr=3e-3)
+        trainer = Trainer(strategy="fl_hsdp", devices=4, max_steps=100)
+        trainer.fit(model, datamodule=TextDataModule(seq_len=128))
+    """
+
+    def __init__(
+        self,
+        preset: str = "llama3.1-tiny",
+        overrides: dict[str, Any] | None = None,
+        seq_len: int = 256,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        warmup_fraction: float = 0.1,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = LlamaConfig.from_name(preset, **(overrides or {}))
+        name = type(self).__name__
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"{name}: `seq_len` must be a positive integer, got {seq_len!r}.")
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"{name}: seq_len={seq_len} exceeds the rotary context of {preset!r}"
+                f" (max_seq_len={self.config.max_seq_len}); shorten the sequences or override `max_seq_len`."
+            )
+        if lr <= 0 or not 0.0 <= warmup_fraction < 1.0 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"{name}: need lr > 0, 0 ≤ warmup_fraction < 1 and 0 ≤ min_lr_ratio ≤ 1; got lr={lr},"
+                f" warmup_fraction={warmup_fraction}, min_lr_ratio={min_lr_ratio}."
+            )
+        self.seq_len = seq_len
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+        #: Read by TokenThroughputMonitor for MFU; set per batch since batch shapes are known only then.
+        self.flops_per_batch = 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises unless the tokenizer's ``vocab_size`` ids all have an embedding row."""
+        if vocab_size > self.config.vocab_size:
+            raise ValueError(
+                f"{type(self).__name__}: the tokenizer has {vocab_size} ids but {self.config.name!r} embeds only"
+                f" {self.config.vocab_size}; choose a matching tokenizer or override `vocab_size`."
+            )
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return  # Lightning calls this again for every fit/validate/test
+        sharded = self._trainer is not None and isinstance(self._trainer.strategy, ModelParallelStrategy)
+        # sharding strategies materialise the meta model one shard per rank
+        with torch.device("meta") if sharded else nullcontext():
+            self.model = Llama(self.config)
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "vocab_size"):
+            self.check_vocab(datamodule.vocab_size)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        assert self.model is not None, "configure_model() builds the model"
+        return self.model(tokens)
+
+    def _token_losses(self, batch: Batch, training: bool) -> Tensor:
+        inputs, targets = batch
+        flops = self.config.flops_per_token(inputs.shape[1]) * inputs.numel()
+        self.flops_per_batch = flops if training else flops // 3  # evaluation runs the forward pass only
+        logits = self(inputs)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )[targets.flatten() != IGNORE_INDEX]
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss = self._token_losses(batch, training=True).mean()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.val_loss.update(self._token_losses(batch, training=False))
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # a token-weighted mean over every rank's batches
+        self.val_loss.reset()
+        # already equal on every rank; sync_dist only tells Lightning so (one scalar all-reduce)
+        self.log_dict({"val_loss": loss, "val_ppl": loss.exp()}, sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decayed = [p for p in self.parameters() if p.ndim >= 2]
+        kept = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decayed, "weight_decay": hp.weight_decay}, {"params": kept, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+            fused=self.device.type == "cuda",
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = warmup_cosine(total, round(hp.warmup_fraction * total), hp.min_lr_ratio)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
+        }
