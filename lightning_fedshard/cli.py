@@ -1,27 +1,68 @@
-"""The ``fedshard`` command: ``fedshard demo`` and ``fedshard bench NAME``."""
+"""The ``fedshard`` command: LightningCLI for Llama 3.1 pre-training, plus ``demo`` and ``bench``.
+
+``fedshard fit --config recipes/tiny/fl_hsdp.yaml`` trains; ``validate``, ``test`` and ``--print_config``
+work as in any LightningCLI. Strategies are set by registered name (``--trainer.strategy=fl_hsdp``) or
+with all their arguments as ``class_path``/``init_args`` in YAML.
+"""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: fedshard {demo,bench} ...
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-  demo          train one small model with fsdp2, hsdp, fl_fsdp and fl_hsdp on 4 CPU processes
-                and print throughput, validation perplexity and bytes per tier per step
-  bench NAME    run a benchmark (python -m lightning_fedshard.bench NAME)
+import lightning_fedshard  # noqa: F401  (registers the strategy names)
+from lightning_fedshard.data import TextDataModule
+from lightning_fedshard.training import LlamaPretraining
+
+__all__ = ["FedShardCLI", "main"]
+
+EXTRA_COMMANDS = """Other commands:
+  fedshard demo [ARGS]     tiny FL+HSDP recipe next to the tiny HSDP baseline (see `fedshard demo --help`)
+  fedshard bench NAME      a benchmark (`fedshard bench --help`)
 """
+
+
+class FedShardCLI(LightningCLI):
+    """LightningCLI over :class:`LlamaPretraining` and :class:`TextDataModule`.
+
+    The data module's ``seq_len`` is linked to the model's, and the tokenizer's vocabulary is checked against
+    the model's embedding before any process starts.
+
+    Example::
+
+        FedShardCLI(args=["fit", "--config", "recipes/tiny/fl_hsdp.yaml", "--trainer.max_steps=10"])
+    """
+
+    def __init__(self, args: list[str] | None = None, **kwargs) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(LlamaPretraining, TextDataModule, args=args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.seq_len", "model.seq_len")
+
+    def _check_vocab(self) -> None:
+        self.model.check_vocab(self.datamodule.vocab_size)
+
+    before_fit = before_validate = before_test = _check_vocab
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    command = argv[0] if argv else ""
     if command == "demo":
-        from lightning_fedshard.bench import strategies
+        from lightning_fedshard.bench.recipes import demo
 
-        strategies.main(rest)
+        demo(argv[1:])
     elif command == "bench":
         from lightning_fedshard.bench.__main__ import main as bench_main
 
-        bench_main(rest)
+        bench_main(argv[1:])
     else:
-        sys.exit(USAGE)
+        if command in ("-h", "--help"):
+            print(EXTRA_COMMANDS)
+        FedShardCLI(args=argv)
+
+
+if __name__ == "__main__":
+    main()

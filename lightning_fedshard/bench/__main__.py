@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"strategies": "lightning_fedshard.bench.strategies"}
+BENCHMARKS = {"recipes": "lightning_fedshard.bench.recipes"}
 
 
 def main(argv: list[str] | None = None) -> None:

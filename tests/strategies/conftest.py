@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launching import run_isolated
+
 WORKER = Path(__file__).with_name("worker.py")
-REPO = Path(__file__).resolve().parents[2]
-LAUNCH_TIMEOUT_S = 300
 
 
 def launch(cfg: dict, out: Path, torchrun: bool = False) -> subprocess.CompletedProcess:
@@ -25,22 +23,7 @@ def launch(cfg: dict, out: Path, torchrun: bool = False) -> subprocess.Completed
     launcher = [sys.executable]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['devices']}"]
-    # A session of its own, so that a hung run takes every rank it spawned down with it.
-    proc = subprocess.Popen(
-        [*launcher, str(WORKER), str(config)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        stderr += f"\n[test] killed after {LAUNCH_TIMEOUT_S} s"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return run_isolated([*launcher, str(WORKER), str(config)])
 
 
 def load_ranks(out: Path, world_size: int) -> list[dict]:

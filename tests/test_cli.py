@@ -1,0 +1,118 @@
+"""``fedshard``: LightningCLI parsing of every recipe, and bad input rejected before any process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy
+from lightning_fedshard.cli import FedShardCLI, main
+from lightning_fedshard.strategies.dims import FedShardDims
+from tests.launching import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("*/*.yaml"))
+LAYOUTS = {
+    "fsdp2": (FLFSDPStrategy, 1),
+    "hsdp": (FLHSDPStrategy, 1),
+    "fl_fsdp": (FLFSDPStrategy, None),
+    "fl_hsdp": (FLHSDPStrategy, None),
+}
+# the reference experiment's layouts at 512 GPUs: (groups, replicas, shards)
+REFERENCE_8B = {"fsdp2": (1, 1, 512), "hsdp": (1, 128, 4), "fl_fsdp": (128, 1, 4), "fl_hsdp": (16, 8, 4)}
+
+
+@pytest.fixture(autouse=True)
+def no_pytest_argv(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["fedshard"])  # LightningCLI(args=...) warns about any other argv
+
+
+def print_config(capsys, *args: str) -> dict:
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_every_layout_has_a_tiny_and_an_8b_recipe():
+    assert {(p.parent.name, p.stem) for p in RECIPES} == {(m, s) for m in ("tiny", "llama3.1-8b") for s in LAYOUTS}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recipe_parses_and_its_strategy_fits_its_cluster(recipe, capsys):
+    config = print_config(capsys, "--config", str(recipe))
+    trainer, model, data = config["trainer"], config["model"], config["data"]
+    cls, groups = LAYOUTS[recipe.stem]
+    strategy = trainer["strategy"]
+    assert strategy["class_path"] == f"lightning_fedshard.{cls.__name__}"
+    assert "seq_len" not in model  # linked from data.seq_len
+    # the strategy the YAML describes can be built and its mesh fills the recipe's world exactly
+    built = cls(**strategy["init_args"])
+    dims = FedShardDims.resolve(
+        trainer["num_nodes"] * trainer["devices"],
+        trainer["devices"],
+        num_groups=built._num_groups,
+        replicate_size=built._replicate_size,
+        shard_size=built._shard_size,
+        default_replicate_size=built._min_replicate_size,
+    )
+    if groups is not None:
+        assert dims.num_groups == groups
+    if recipe.parent.name == "llama3.1-8b":
+        assert (dims.num_groups, dims.replicate_size, dims.shard_size) == REFERENCE_8B[recipe.stem]
+        assert (trainer["num_nodes"], trainer["devices"], trainer["precision"]) == (128, 4, "bf16-mixed")
+        assert model["preset"] == "llama3.1-8b" and model["lr"] == 3e-4 and model["betas"] == [0.9, 0.95]
+        assert model["weight_decay"] == 0.1 and model["warmup_fraction"] == 0.1
+        assert data["batch_size"] == 2 and data["seq_len"] == 2048
+        assert trainer["max_steps"] * trainer["num_nodes"] * trainer["devices"] * data["batch_size"] == 65536
+        if recipe.stem.startswith("fl_"):
+            assert built.sync_every == 8
+    else:
+        assert (trainer["accelerator"], trainer["devices"], model["preset"]) == ("cpu", 4, "llama3.1-tiny")
+
+
+def test_strategies_are_selectable_by_registered_name(capsys):
+    for name in ("fl_fsdp", "fl_hsdp", "fsdp2", "hsdp"):
+        assert name in StrategyRegistry
+        config = print_config(capsys, "--config", str(RECIPES[0]), f"--trainer.strategy={name}")
+        assert config["trainer"]["strategy"] == name
+
+
+def test_strategy_arguments_are_settable_from_the_command_line(capsys):
+    recipe = REPO / "recipes" / "tiny" / "fl_hsdp.yaml"
+    config = print_config(
+        capsys, "--config", str(recipe), "--trainer.strategy.init_args.sync_every=4",
+        "--trainer.strategy.init_args.outer_optimizer=nesterov",
+    )  # fmt: skip
+    assert config["trainer"]["strategy"]["init_args"]["sync_every"] == 4
+    assert config["trainer"]["strategy"]["init_args"]["outer_optimizer"] == "nesterov"
+
+
+def fit_args(*overrides: str) -> list[str]:
+    return ["fit", "--config", str(REPO / "recipes" / "tiny" / "fl_hsdp.yaml"), *overrides]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (["--data.source=/no/such/corpus"], FileNotFoundError, "'/no/such/corpus' matches no file"),
+        (["--model.preset=llama9"], ValueError, "Unknown Llama preset 'llama9'"),
+        (["--data.seq_len=2048"], ValueError, r"seq_len=2048 exceeds the rotary context.*max_seq_len=1024"),
+        (["--model.preset=llama3.1-micro", "--model.overrides={vocab_size: 100}"], ValueError, "has 257 ids"),
+        (["--trainer.strategy.init_args.num_groups=3"], ValueError, "num_groups"),
+    ],
+    ids=["missing-data", "unknown-preset", "seq-len-over-context", "vocab-too-small", "mesh-does-not-fit"],
+)
+def test_bad_input_fails_before_training(overrides, error, match, monkeypatch):
+    # No process group may start: the error must come from construction or the checks before fit.
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *a, **k: pytest.fail("fit() was reached"))
+    with pytest.raises(error, match=match):
+        FedShardCLI(args=fit_args(*overrides))
+
+
+def test_empty_corpus_is_named(tmp_path: Path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        FedShardCLI(args=fit_args(f"--data.source={tmp_path}", "--trainer.devices=1", "--trainer.strategy=auto"))
