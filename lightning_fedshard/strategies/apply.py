@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -20,8 +19,8 @@ __all__ = [
     "broadcast_initial_state",
     "check_fully_sharded",
     "is_sharded",
+    "materialize",
     "reshard_all",
-    "shard_seeded_rng",
 ]
 
 
@@ -83,20 +82,40 @@ def check_fully_sharded(module: nn.Module) -> None:
         )
 
 
-@contextmanager
-def shard_seeded_rng(mesh: DeviceMesh, device: torch.device) -> Iterator[None]:
-    """Seeds the RNG by shard position while meta parameters are initialised shard by shard.
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocates what was built on the meta device, one top-level child at a time, and initialises it with
+    each module's ``reset_parameters()`` such that the model is the same for every mesh layout.
 
-    On CPU, DTensor random ops fill each local shard from the rank's own generator, so equally seeded ranks
-    would give every shard of a weight the same values. Offsetting the seed by the shard index makes the
-    shards independent draws; replicas and federation groups at one shard index draw the same values.
+    Each module's sharded parameters are initialised as whole tensors (the same on every rank, given the
+    same seed), of which every rank keeps its shard: one module's weights at a time are whole, never the
+    model. Children without meta tensors are left alone: ``to_empty`` would also overwrite state that is
+    not a parameter, such as a torchmetrics metric's accumulators and their defaults.
     """
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
-        # the seeding below is the answer to this warning
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        torch.manual_seed((torch.initial_seed() + 1_000_003 * mesh.get_local_rank("shard")) % 2**63)
-        yield
+    for child in module.children():
+        if not any(t.is_meta for t in itertools.chain(child.parameters(), child.buffers())):
+            continue
+        child.to_empty(device=device)
+        for sub in child.modules():
+            if any(True for _ in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
+                _reset_whole(sub, device)
+
+
+@torch.no_grad()
+def _reset_whole(module: nn.Module, device: torch.device) -> None:
+    if not callable(getattr(module, "reset_parameters", None)):
+        raise TypeError(
+            f"{type(module).__name__} was built on the meta device but has no `reset_parameters()`; its tensors"
+            " would stay uninitialised. Implement it, or build the model on a real device."
+        )
+    shards = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    for name, p in shards.items():
+        module.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)))
+    module.reset_parameters()
+    for name, p in shards.items():
+        whole = module.get_parameter(name).detach()
+        # src_data_rank=None: every rank cuts its own shard from its own copy, no communication
+        p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())
+        module.register_parameter(name, p)
 
 
 def reshard_all(module: nn.Module) -> None:

@@ -14,7 +14,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -39,8 +38,8 @@ from lightning_fedshard.strategies.apply import (
     broadcast_initial_state,
     check_fully_sharded,
     is_sharded,
+    materialize,
     reshard_all,
-    shard_seeded_rng,
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
@@ -240,8 +239,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
             apply_activation_checkpointing(self.model, self._activation_checkpointing)
             apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap, mp_policy=self._mixed_precision_policy())
         check_fully_sharded(self.model)
-        with shard_seeded_rng(self.device_mesh, self.root_device):
-            _materialize_distributed_module(self.model, self.root_device)
+        materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         broadcast_initial_state(self.model, self.device_mesh)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fedshard.bench.recipes import read_metrics
+from lightning_fedshard.bench.recipes import format_table, plot, read_metrics, summarize
 from lightning_fedshard.models import LlamaConfig
 from lightning_fedshard.models.llama import rotary_frequencies
 from tests.launching import REPO, run_isolated
@@ -109,20 +109,30 @@ def test_resume_continues_with_the_same_samples_and_losses(fl_hsdp_run, tmp_path
             torch.testing.assert_close(part["final_shards"][name], shard, rtol=1e-5, atol=1e-6)
 
 
-def test_hsdp_materialises_shards_in_bf16_mixed_with_activation_checkpointing(tmp_path):
-    ranks, metrics = fit(
+@pytest.fixture(scope="module")
+def hsdp_bf16_run(tmp_path_factory):
+    return fit(
         "hsdp",
-        tmp_path,
+        tmp_path_factory.mktemp("hsdp"),
         "--trainer.precision=bf16-mixed",
         "--trainer.strategy.init_args.activation_checkpointing=[lightning_fedshard.models.TransformerBlock]",
     )
+
+
+def test_initial_model_does_not_depend_on_the_layout(fl_hsdp_run, hsdp_bf16_run):
+    # same seed, shards of 1 (fl_hsdp) and of 2 (hsdp): the same whole weights
+    assert torch.equal(fl_hsdp_run[1][0]["probed_full"], hsdp_bf16_run[0][0]["probed_full"])
+
+
+def test_hsdp_materialises_shards_in_bf16_mixed_with_activation_checkpointing(hsdp_bf16_run):
+    ranks, metrics = hsdp_bf16_run
     for r in ranks:
         assert r["mesh"] == [1, 2, 2] and r["param_dtypes"] == ["torch.float32"]
         # each rank materialised about half of every weight (FSDP2 pads dim 0 to a multiple of 2)
         assert r["local_numel"] <= (TINY.num_parameters + 1000) / 2
         assert sum(r["losses"][-4:]) / 4 < sum(r["losses"][:4]) / 4 - 1.0
     weight = ranks[0]["probed_full"]  # wq of block 0: rows 0-63 on shard 0, 64-127 on shard 1
-    assert not torch.equal(weight[:64], weight[64:])  # independent draws, not one shard's copy
+    assert not torch.equal(weight[:64], weight[64:])  # one whole draw, not one shard's values twice
     assert weight.std().item() == pytest.approx(0.02 * 0.9866, rel=0.1)  # N(0, 0.02) truncated at 3σ
     for r in ranks[1:]:
         assert torch.equal(r["probed_full"], weight)
@@ -131,3 +141,19 @@ def test_hsdp_materialises_shards_in_bf16_mixed_with_activation_checkpointing(tm
         assert torch.equal(ranks[2]["final_shards"][name], shard), name
     steps = [m for m in metrics.values() if "comm/shard_bytes" in m]
     assert all(m["comm/shard_bytes"] > 0 and m["comm/fed_bytes"] == 0 for m in steps)
+
+
+def test_recipe_summary_reads_the_run_back(fl_hsdp_run, tmp_path):
+    _, _, metrics = fl_hsdp_run
+    result = summarize("fl_hsdp", metrics)
+    assert result.world_size == 4
+    assert result.bytes_per_step == {"shard": 0.0, "replicate": 4 * TINY.num_parameters, "fed": TINY.num_parameters / 2}
+    tokens_per_step = 4 * 8 * 128  # ranks × micro-batch × sequence
+    assert [p["tokens"] for p in result.val_curve] == [16 * tokens_per_step, 32 * tokens_per_step]
+    assert result.val_ppl == pytest.approx(math.exp(result.val_curve[-1]["val_loss"]))
+    assert 0 < result.val_curve[0]["train_seconds"] < result.val_curve[1]["train_seconds"]
+    assert result.tokens_per_s > 0
+    table = format_table([result, result])
+    assert "fl_hsdp   tokens/s ×1.00   val ppl ×1.000   bytes/step, all tiers ×1.000" in table
+    plot([result], tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
