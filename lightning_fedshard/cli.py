@@ -48,20 +48,21 @@ class FedShardCLI(LightningCLI):
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    command = argv[0] if argv else ""
+    """``argv`` defaults to the command line (``sys.argv[1:]``)."""
+    args = sys.argv[1:] if argv is None else argv
+    command = args[0] if args else ""
     if command == "demo":
         from lightning_fedshard.bench.recipes import demo
 
-        demo(argv[1:])
+        demo(args[1:])
     elif command == "bench":
         from lightning_fedshard.bench.__main__ import main as bench_main
 
-        bench_main(argv[1:])
+        bench_main(args[1:])
     else:
         if command in ("-h", "--help"):
             print(EXTRA_COMMANDS)
-        FedShardCLI(args=argv)
+        FedShardCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def fit_args(*overrides: str) -> list[str]:
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
-        (["--data.source=/no/such/corpus"], FileNotFoundError, "'/no/such/corpus' matches no file"),
+        (["--data.source=/no/such/corpus"], FileNotFoundError, "'/no/such/corpus' does not exist"),
         (["--model.preset=llama9"], ValueError, "Unknown Llama preset 'llama9'"),
         (["--data.seq_len=2048"], ValueError, r"seq_len=2048 exceeds the rotary context.*max_seq_len=1024"),
         (["--model.preset=llama3.1-micro", "--model.overrides={vocab_size: 100}"], ValueError, "has 257 ids"),
@@ -112,7 +112,8 @@ def test_bad_input_fails_before_training(overrides, error, match, monkeypatch):
         FedShardCLI(args=fit_args(*overrides))
 
 
-def test_empty_corpus_is_named(tmp_path: Path):
+def test_empty_corpus_is_named_before_training(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *a, **k: pytest.fail("fit() was reached"))
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="empty"):
-        FedShardCLI(args=fit_args(f"--data.source={tmp_path}", "--trainer.devices=1", "--trainer.strategy=auto"))
+    with pytest.raises(ValueError, match=r"Text corpus at '.*' is empty"):
+        FedShardCLI(args=fit_args(f"--data.source={tmp_path}"))

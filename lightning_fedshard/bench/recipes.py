@@ -49,13 +49,15 @@ def read_metrics(path: Path) -> dict[int, dict[str, float]]:
 
 
 def summarize(name: str, rows: dict[int, dict[str, float]]) -> RecipeResult:
+    """One run's result from its merged metric rows (``log_every_n_steps=1``, as :func:`run_recipe` sets)."""
     timed = [r for r in rows.values() if "train/time" in r and "train/lengths" in r]
     rated = [r for r in timed if "train/device/items_per_sec" in r]
     if len(timed) < 2 or not rated:
         raise RuntimeError(f"{name}: too few throughput rows logged; run more steps than the monitor's window_size.")
+    # the monitor logs the global rate as world size × the rank's rate (and no global rate on one rank)
+    rates = rated[-1]
     world = round(
-        rated[-1].get("train/items_per_sec", rated[-1]["train/device/items_per_sec"])
-        / rated[-1]["train/device/items_per_sec"]
+        rates.get("train/items_per_sec", rates["train/device/items_per_sec"]) / rates["train/device/items_per_sec"]
     )
     first, last = timed[0], timed[-1]
     per_rank = (last["train/lengths"] - first["train/lengths"]) / (last["train/time"] - first["train/time"])
@@ -64,6 +66,7 @@ def summarize(name: str, rows: dict[int, dict[str, float]]) -> RecipeResult:
     curve = []
     for step, r in rows.items():
         if "val_loss" in r:
+            # the training clock as of the last step logged before this validation
             clock = next((rows[s] for s in range(step, -1, -1) if "train/time" in rows.get(s, {})), {})
             curve.append(
                 {
@@ -90,6 +93,7 @@ def run_recipe(config: Path, out_dir: Path, overrides: list[str]) -> RecipeResul
         "--trainer.logger.init_args.name=csv",
         "--trainer.logger.init_args.version=0",
         "--trainer.log_every_n_steps=1",
+        "--trainer.enable_checkpointing=false",  # a comparison keeps no checkpoints
         *overrides,
     ]  # fmt: skip
     log = out_dir / f"{config.stem}.log"

@@ -12,7 +12,14 @@ from typing import Literal
 
 import datasets
 
-__all__ = ["VALIDATION_MODULES", "load_hub_corpus", "load_text_corpus", "stdlib_corpus", "stdlib_sources"]
+__all__ = [
+    "corpus_files",
+    "VALIDATION_MODULES",
+    "load_hub_corpus",
+    "load_text_corpus",
+    "stdlib_corpus",
+    "stdlib_sources",
+]
 
 #: Standard-library modules held out for validation; every CPython ships them.
 VALIDATION_MODULES = ("difflib", "random", "string", "textwrap")
@@ -38,8 +45,10 @@ def stdlib_corpus(split: Literal["train", "val"]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": [f.read_bytes().decode("utf-8") for f in files]})
 
 
-def _corpus_files(path: str | Path) -> list[Path]:
-    """The files a corpus path names: the file itself, a directory's supported files, or a glob's matches."""
+def corpus_files(path: str | Path) -> list[Path]:
+    """The files a corpus path names: the file itself, a directory's supported files, or a glob's matches.
+
+    Cheap (no file is read), so callers check a path with it before any process group starts."""
     name = str(path)
     supported = ", ".join(_BUILDERS)
     if Path(path).is_dir():
@@ -49,18 +58,20 @@ def _corpus_files(path: str | Path) -> list[Path]:
     elif any(c in name for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(name, recursive=True) if Path(f).is_file())
     else:
-        raise FileNotFoundError(f"load_text_corpus: {name!r} does not exist; pass a file, a directory or a glob.")
+        raise FileNotFoundError(f"Text corpus {name!r} does not exist; pass a file, a directory or a glob.")
     if not files:
-        raise FileNotFoundError(f"load_text_corpus: no {supported} files found at {name!r}.")
+        raise FileNotFoundError(f"Text corpus: no {supported} files found at {name!r}.")
     unsupported = sorted({f.suffix for f in files} - set(_BUILDERS))
     if unsupported:
-        raise ValueError(f"load_text_corpus: {name!r} has files of unsupported type {unsupported}; use {supported}.")
+        raise ValueError(f"Text corpus {name!r} has files of unsupported type {unsupported}; use {supported}.")
     builders = {_BUILDERS[f.suffix] for f in files}
     if len(builders) > 1:
         raise ValueError(
-            f"load_text_corpus: {name!r} mixes file types {sorted({f.suffix for f in files})}; "
+            f"Text corpus {name!r} mixes file types {sorted({f.suffix for f in files})}; "
             "put each format in its own directory and use one of them."
         )
+    if all(f.stat().st_size == 0 for f in files):
+        raise ValueError(f"Text corpus at {name!r} is empty (all its files are empty).")
     return files
 
 
@@ -73,10 +84,8 @@ def load_text_corpus(
     the column holding the text in JSON and Parquet files; the result names it ``"text"``. ``cache_dir`` is
     where ``datasets`` keeps its Arrow copy (``None``: the default Hugging Face cache); nothing is downloaded.
     """
-    files = _corpus_files(path)
+    files = corpus_files(path)
     builder = _BUILDERS[files[0].suffix]
-    if all(f.stat().st_size == 0 for f in files):
-        raise ValueError(f"load_text_corpus: the corpus at {str(path)!r} is empty (all its files are empty).")
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
         corpus = datasets.load_dataset(

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import glob
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import datasets
@@ -14,7 +12,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_fedshard.data.corpus import load_hub_corpus, load_text_corpus, stdlib_corpus
+from lightning_fedshard.data.corpus import corpus_files, load_hub_corpus, load_text_corpus, stdlib_corpus
 from lightning_fedshard.data.packing import PackedStream, pack_documents
 from lightning_fedshard.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -108,11 +106,8 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"TextDataModule: `max_val_samples` must be ≥ 1 or None, got {max_val_samples}.")
         if source == _HUB_PREFIX:
             raise ValueError(f"TextDataModule: `source` {source!r} names no dataset; use 'hf://<dataset name>'.")
-        is_local = source is not None and not source.startswith(_HUB_PREFIX)
-        if is_local and not Path(source).exists() and not glob.glob(source, recursive=True):
-            raise FileNotFoundError(
-                f"TextDataModule: `source` {source!r} matches no file or directory; check the path."
-            )
+        if source is not None and not source.startswith(_HUB_PREFIX):
+            corpus_files(source)  # a missing, empty or mixed-format local corpus fails here, not on every rank
         self.source = source
         self.text_field = text_field
         self.hub_config = hub_config

@@ -64,7 +64,7 @@ def test_jsonl_json_and_parquet_with_custom_field(tmp_path):
 
 
 def test_missing_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"load_text_corpus: '.*nowhere' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"'.*nowhere' does not exist"):
         load_text_corpus(tmp_path / "nowhere")
     (tmp_path / "notes.md").write_text("x")
     with pytest.raises(FileNotFoundError, match=r"no \.txt, \.jsonl, \.json, \.parquet files found at"):
