@@ -19,6 +19,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -236,6 +237,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if is_sharded(self.model):
             reshard_all(self.model)  # set up again after fit: a last no-grad forward left root units gathered
         else:
+            if not self._auto_wrap:
+                rank_zero_warn(
+                    f"{type(self).__name__}: no `auto_wrap` classes, so each top-level child of the LightningModule"
+                    " is one FSDP unit, gathered whole in every forward. Pass its blocks, e.g."
+                    " auto_wrap=['lightning_fedshard.models.TransformerBlock'], to gather one block at a time."
+                )
             apply_activation_checkpointing(self.model, self._activation_checkpointing)
             apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap, mp_policy=self._mixed_precision_policy())
         check_fully_sharded(self.model)
