@@ -3,11 +3,12 @@ import math
 import pytest
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
+from torch import nn
 from torch.nn import functional as F
 
 from lightning_fedshard.models import PRESETS, Llama, LlamaConfig, RopeScaling, TransformerBlock
 from lightning_fedshard.models.llama import Attention, apply_rotary, rotary_frequencies, scale_frequencies
-from lightning_fedshard.strategies.apply import apply_activation_checkpointing
+from lightning_fedshard.strategies.apply import apply_activation_checkpointing, materialize
 
 # Published sizes: Llama 3.1 8B has 8,030,261,248 parameters (Meta's model card / HF safetensors index).
 # Llama 3.2 1B has 1,235,814,400 with a tied head; our 1B preset unties it: + 128256 × 2048.
@@ -152,14 +153,7 @@ def test_meta_model_materialises_through_reset_parameters():
     config = LlamaConfig.from_name("llama3.1-micro")
     with torch.device("meta"):
         model = Llama(config)
-    model.to_empty(device="cpu")
-    for module in model.modules():
-        if (
-            hasattr(module, "reset_parameters")
-            and any(True for _ in module.parameters(recurse=False))
-            or (any(True for _ in module.buffers(recurse=False)))
-        ):
-            module.reset_parameters()
+    materialize(nn.ModuleDict({"model": model}), torch.device("cpu"))  # what the strategies call
     expected = rotary_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.equal(model.rope.inv_freq, expected)
     assert torch.equal(model.norm.weight, torch.ones(config.dim))
