@@ -1,0 +1,312 @@
+"""Compressed ring and butterfly collectives built from point-to-point sends.
+
+Reduce-scatter: every hop decodes the partial sum it receives, adds its own chunk in fp32 and
+re-encodes it (the codec's ``accumulate``); after ``P-1`` hops rank ``r`` holds the exact fp32 sum of
+chunk ``r`` plus the quantisation error of the hops. All-gather: the owner encodes its sum once and
+the bytes travel unchanged, every rank (owner included) decoding the same bytes, so all ranks end
+bit-identical, as data parallelism requires.
+
+The butterfly variant (recursive halving, then recursive doubling) needs ``log2 P`` steps instead of
+``P-1`` and carries sums of ``2^k`` chunks at step ``k``.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_fedshard.dynamiq.codec import Codec, Message, Transfer, make_codec
+from lightning_fedshard.dynamiq.telemetry import CompressionStats
+
+__all__ = ["DEFAULT_MIN_NUMEL", "TOPOLOGIES", "all_reduce", "plan_transfer", "reduce_scatter", "simulate_all_reduce"]
+
+TOPOLOGIES = ("ring", "butterfly")
+#: Below this many coordinates a collective is latency-bound: 2(P-1) small messages lose to one all-reduce.
+DEFAULT_MIN_NUMEL = 65536
+
+Topology = Literal["ring", "butterfly"]
+_P2P = Callable[[Tensor, Tensor, int, int], None]
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def plan_transfer(topology: str, world_size: int, chunk_numel: int, numel: int, *, all_gather: bool) -> Transfer:
+    """The messages one rank sends, in order, for a collective over ``world_size`` padded chunks."""
+    _check_topology(topology, world_size)
+    p = world_size
+    if topology == "ring":
+        messages = [Message(chunk_numel, hop) for hop in range(1, p)]
+        if all_gather:
+            messages += [Message(chunk_numel, p)] * (p - 1)
+    else:
+        steps = p.bit_length() - 1
+        messages = [Message(chunk_numel, 1 << k) for k in range(steps) for _ in range(p >> (k + 1))]
+        if all_gather:
+            messages += [Message(chunk_numel, p)] * (p - 1)
+    fraction = (2 if all_gather else 1) * (p - 1) / p
+    return Transfer(world_size=p, messages=tuple(messages), reference_coords=fraction * numel)
+
+
+def all_reduce(
+    tensor: Tensor,
+    *,
+    codec: str | Codec = "dynamiq",
+    bits: float = 5.0,
+    group: ProcessGroup | None = None,
+    topology: Topology = "ring",
+    min_numel: int = DEFAULT_MIN_NUMEL,
+    stats: CompressionStats | None = None,
+    debug: bool = False,
+) -> Tensor:
+    """Sums ``tensor`` across ``group`` in place through a compressed multi-hop all-reduce and returns it.
+
+    Every rank ends with the same bits. ``codec`` is a registered codec name (``"dynamiq"``,
+    ``"bf16"``, ``"mxfp8"``, ``"thc"``, ...; see ``CODECS``) or a ``Codec`` instance (keep one to
+    carry state such as stochastic-rounding seeds across calls). ``bits`` is the wire budget per
+    coordinate for rate-adaptive codecs. Tensors under ``min_numel`` coordinates, and groups of one,
+    use a plain ``dist.all_reduce``. With ``debug=True`` an exact all-reduce of a copy measures the
+    error into ``stats``.
+
+    Example::
+
+        grad = torch.randn(1 << 20)
+        all_reduce(grad, codec="dynamiq", bits=5.0)   # now the sum over all ranks, identical everywhere
+    """
+    world_size = dist.get_world_size(group)
+    reference = _exact_sum(tensor, group) if debug else None
+    if world_size == 1 or tensor.numel() < min_numel:
+        dist.all_reduce(tensor, group=group)
+        _record_plain(stats, tensor, world_size, factor=2)
+    else:
+        ring = _Ring.over(make_codec(codec, bits), group, topology)
+        chunks = _chunks(tensor, world_size, ring.codec.block)
+        transfer = plan_transfer(topology, world_size, chunks.shape[1], tensor.numel(), all_gather=True)
+        summed = ring.codec.finish(ring.all_reduce(ring.codec.prepare(chunks, transfer, group)))
+        tensor.copy_(summed.reshape(-1)[: tensor.numel()].view_as(tensor))
+        _record(stats, ring, tensor.numel(), transfer)
+    if reference is not None and stats is not None:
+        stats.record_error(_squared_distance(tensor, reference), float(reference.double().square().sum()))
+    return tensor
+
+
+def reduce_scatter(
+    output: Tensor,
+    input: Tensor,
+    *,
+    codec: str | Codec = "dynamiq",
+    bits: float = 5.0,
+    group: ProcessGroup | None = None,
+    topology: Topology = "ring",
+    min_numel: int = DEFAULT_MIN_NUMEL,
+    stats: CompressionStats | None = None,
+) -> Tensor:
+    """``output`` (on rank ``r``) becomes the sum over ``group`` of chunk ``r`` of ``input``, which holds
+    ``world_size`` equal chunks; the compressed counterpart of ``dist.reduce_scatter_tensor`` with SUM."""
+    world_size = dist.get_world_size(group)
+    if input.numel() != world_size * output.numel():
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected {world_size} × output ({output.numel()})."
+        )
+    if world_size == 1 or input.numel() < min_numel:
+        _reduce_scatter_single(output, input, group=group)
+        _record_plain(stats, input, world_size, factor=1)
+        return output
+    ring = _Ring.over(make_codec(codec, bits), group, topology)
+    n = output.numel()
+    padded = -(-n // ring.codec.block) * ring.codec.block
+    chunks = torch.zeros(world_size, padded, dtype=torch.float32, device=input.device)
+    chunks[:, :n] = input.reshape(world_size, n)
+    transfer = plan_transfer(topology, world_size, padded, input.numel(), all_gather=False)
+    owned = ring.codec.finish(ring.reduce_scatter(ring.codec.prepare(chunks, transfer, group))[None])[0]
+    output.copy_(owned[:n].view_as(output))
+    _record(stats, ring, input.numel(), transfer)
+    return output
+
+
+def simulate_all_reduce(
+    inputs: list[Tensor], *, codec: str | Codec = "dynamiq", bits: float = 5.0, topology: Topology = "ring"
+) -> tuple[Tensor, float]:
+    """Runs the compressed all-reduce of ``inputs`` (one tensor per simulated rank) in this process, with one
+    thread per rank and in-memory mailboxes: the same code and bytes as the distributed run. Returns rank
+    0's result and the wire bits per coordinate (every rank ends with the same result)."""
+    world_size = len(inputs)
+    codec = make_codec(codec, bits)
+    chunks = [_chunks(x, world_size, codec.block) for x in inputs]
+    transfer = plan_transfer(topology, world_size, chunks[0].shape[1], inputs[0].numel(), all_gather=True)
+    domains = codec.prepare_simulated(chunks, transfer)
+    mailboxes = {(src, dst): queue.SimpleQueue() for src in range(world_size) for dst in range(world_size)}
+
+    def run(rank: int) -> Tensor:
+        def p2p(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
+            mailboxes[rank, dst].put(send.clone())
+            recv.copy_(mailboxes[src, rank].get(timeout=600))
+
+        ring = _Ring(codec, topology, rank, world_size, p2p)
+        summed = ring.all_reduce(domains[rank])
+        return summed, ring.wire_bytes
+
+    with ThreadPoolExecutor(max_workers=world_size) as pool:
+        results = list(pool.map(run, range(world_size)))
+    summed = codec.finish(results[0][0]).reshape(-1)[: inputs[0].numel()]
+    wire = results[0][1] + getattr(codec, "side_bytes", 0.0)
+    return summed.view_as(inputs[0]), 8 * wire / transfer.reference_coords
+
+
+class _Ring:
+    """One rank's side of one collective call: the codec, the transport and the bytes this rank sent.
+
+    ``p2p(send, recv, dst, src)`` sends ``send`` to group rank ``dst`` while filling ``recv`` from ``src``:
+    point-to-point ops on a process group, or in-memory mailboxes when ``simulate`` runs all ranks
+    in one process.
+    """
+
+    def __init__(self, codec: Codec, topology: str, rank: int, world_size: int, p2p: _P2P) -> None:
+        _check_topology(topology, world_size)
+        self.codec = codec
+        self.topology = topology
+        self.rank = rank
+        self.world_size = world_size
+        self._send_recv = p2p
+        self.wire_bytes = 0.0
+
+    @classmethod
+    def over(cls, codec: Codec, group: ProcessGroup | None, topology: str) -> _Ring:
+        def p2p(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
+            ops = [
+                dist.P2POp(dist.isend, send, group=group, group_peer=dst),
+                dist.P2POp(dist.irecv, recv, group=group, group_peer=src),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        return cls(codec, topology, dist.get_rank(group), dist.get_world_size(group), p2p)
+
+    def all_reduce(self, domain: Tensor) -> Tensor:
+        """Sums prepared ``[P, m]`` chunks; returns the decoded ``[P, m]`` sums, the same bits on every rank."""
+        owned = self.reduce_scatter(domain)
+        final = self.codec.encode(owned, self.world_size)
+        messages = self._all_gather(final, domain.shape[1])
+        return torch.stack([self.codec.decode(m, domain.shape[1], self.world_size) for m in messages])
+
+    def reduce_scatter(self, domain: Tensor) -> Tensor:
+        """The fp32 sum of prepared chunk ``rank`` over all ranks, hop errors included."""
+        if self.topology == "ring":
+            return self._ring_reduce_scatter(domain)
+        return self._halving_reduce_scatter(domain)
+
+    # ---------------------------------------------------------------- reduce-scatter
+    def _ring_reduce_scatter(self, domain: Tensor) -> Tensor:
+        p, r, m = self.world_size, self.rank, domain.shape[1]
+        outgoing = self.codec.encode(domain[(r - 1) % p], 1)
+        for hop in range(1, p):  # the received message holds `hop` chunks
+            incoming = self._exchange([outgoing], (r + 1) % p, (r - 1) % p, m, hop, count=1)[0]
+            local = domain[(r - hop - 1) % p]
+            if hop == p - 1:
+                return self.codec.decode(incoming, m, hop) + local
+            outgoing = self.codec.accumulate(incoming, local, hop)
+        raise AssertionError("a ring of one rank has no hops")
+
+    def _halving_reduce_scatter(self, domain: Tensor) -> Tensor:
+        p, r, m = self.world_size, self.rank, domain.shape[1]
+        partial = {c: domain[c] for c in range(p)}
+        summands = 1
+        distance = p // 2
+        while distance:
+            partner = r ^ distance
+            keep = sorted(c for c in partial if c & distance == r & distance)
+            give = sorted(c for c in partial if c & distance != r & distance)
+            outgoing = [self.codec.encode(partial[c], summands) for c in give]
+            incoming = self._exchange(outgoing, partner, partner, m, summands, count=len(keep))
+            partial = {
+                c: self.codec.decode(msg, m, summands) + partial[c] for c, msg in zip(keep, incoming, strict=True)
+            }
+            summands *= 2
+            distance //= 2
+        return partial[r]
+
+    # ---------------------------------------------------------------- all-gather
+    def _all_gather(self, final: Tensor, m: int) -> list[Tensor]:
+        p, r = self.world_size, self.rank
+        messages: dict[int, Tensor] = {r: final}
+        if self.topology == "ring":
+            for step in range(p - 1):
+                sent = messages[(r - step) % p]
+                messages[(r - step - 1) % p] = self._exchange([sent], (r + 1) % p, (r - 1) % p, m, p, count=1)[0]
+        else:
+            distance = 1
+            while distance < p:
+                partner = r ^ distance
+                mine = sorted(messages)
+                theirs = sorted(c ^ distance for c in mine)
+                received = self._exchange([messages[c] for c in mine], partner, partner, m, p, count=len(theirs))
+                messages.update(zip(theirs, received, strict=True))
+                distance *= 2
+        return [messages[c] for c in range(p)]
+
+    # ---------------------------------------------------------------- transport
+    def _exchange(
+        self, outgoing: list[Tensor], dst: int, src: int, numel: int, summands: int, *, count: int
+    ) -> list[Tensor]:
+        """Sends ``outgoing`` messages to ``dst`` while receiving ``count`` messages from ``src``. Fixed-size
+        codecs' receive sizes are known in advance; others first exchange their byte counts."""
+        device = outgoing[0].device
+        if self.codec.fixed_size:
+            sizes = [self.codec.message_bytes(numel, summands)] * count
+        else:
+            header = torch.tensor([m.numel() for m in outgoing], dtype=torch.int64, device=device)
+            received = torch.empty(count, dtype=torch.int64, device=device)
+            self._p2p(header, received, dst, src)
+            sizes = received.tolist()
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        self._p2p(torch.cat(outgoing), buffer, dst, src)
+        return list(buffer.split(sizes))
+
+    def _p2p(self, send: Tensor, recv: Tensor, dst: int, src: int) -> None:
+        self._send_recv(send, recv, dst, src)
+        self.wire_bytes += send.numel() * send.element_size()
+
+
+def _chunks(tensor: Tensor, world_size: int, block: int) -> Tensor:
+    """``tensor`` flattened to fp32 and zero-padded into ``world_size`` chunks of a multiple of ``block``."""
+    per_rank = -(-tensor.numel() // world_size)
+    chunk = -(-per_rank // block) * block
+    flat = torch.zeros(world_size * chunk, dtype=torch.float32, device=tensor.device)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    return flat.view(world_size, chunk)
+
+
+def _check_topology(topology: str, world_size: int) -> None:
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"Unknown topology {topology!r}; expected one of {TOPOLOGIES}.")
+    if topology == "butterfly" and world_size & (world_size - 1):
+        raise ValueError(f"The butterfly topology needs a power-of-two group size, got {world_size}.")
+
+
+def _exact_sum(tensor: Tensor, group: ProcessGroup | None) -> Tensor:
+    reference = tensor.detach().to(torch.float64 if tensor.device.type == "cpu" else torch.float32, copy=True)
+    dist.all_reduce(reference, group=group)
+    return reference
+
+
+def _squared_distance(tensor: Tensor, reference: Tensor) -> float:
+    return float((tensor.detach().to(reference.dtype) - reference).square().sum())
+
+
+def _record(stats: CompressionStats | None, ring: _Ring, numel: int, transfer: Transfer) -> None:
+    if stats is not None:
+        side = getattr(ring.codec, "side_bytes", 0.0)
+        stats.record(numel, ring.wire_bytes + side, transfer.reference_coords, compressed=True)
+
+
+def _record_plain(stats: CompressionStats | None, tensor: Tensor, world_size: int, factor: int) -> None:
+    if stats is not None and world_size > 1:
+        coords = factor * (world_size - 1) / world_size * tensor.numel()
+        stats.record(tensor.numel(), coords * tensor.element_size(), coords, compressed=False)
