@@ -1,13 +1,16 @@
 """lightning_fedshard: FL+FSDP / FL+HSDP strategies for PyTorch Lightning, and Llama 3.1 pre-training on them.
 
-Importing the package registers the strategy names ``"fl_fsdp"``, ``"fl_hsdp"``, ``"fsdp2"`` and ``"hsdp"``.
+Importing the package registers the strategy names ``"fl_fsdp"``, ``"fl_hsdp"``, ``"fsdp2"``, ``"hsdp"`` and
+``"ddp_dynamiq"``; ``lightning_fedshard.dynamiq`` holds the compressed collectives and the ``DynamiQ`` plugin.
 """
 
 from lightning_fedshard.data import TextDataModule
+from lightning_fedshard.dynamiq import DynamiQ
 from lightning_fedshard.models import PRESETS, Llama, LlamaConfig
 from lightning_fedshard.strategies import (
     STRATEGY_NAMES,
     CommLedger,
+    DynamiQDDPStrategy,
     FedShardDims,
     FLFSDPStrategy,
     FLHSDPStrategy,
@@ -23,6 +26,8 @@ __all__ = [
     "PRESETS",
     "STRATEGY_NAMES",
     "CommLedger",
+    "DynamiQ",
+    "DynamiQDDPStrategy",
     "FLFSDPStrategy",
     "FLHSDPStrategy",
     "FedShardDims",

@@ -61,11 +61,16 @@ def dither(seed: int, numel: int, device: torch.device | str = "cpu") -> Tensor:
     """Uniform dither in (0, 1) for stochastic rounding: a 32-bit integer hash of ``(seed, index)``,
     so the Triton kernel can compute the same values from the same integers."""
     mask = 0xFFFFFFFF
-    x = torch.arange(numel, dtype=torch.int64, device=device) ^ (_mix32(seed) & 0x7FFFFFFF)
+    x = torch.arange(numel, dtype=torch.int64, device=device) ^ dither_key(seed)
     for _ in range(2):  # the "lowbias32"-style finaliser; multipliers < 2^31 keep int64 products exact
         x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
     x = x ^ (x >> 16)
     return ((x >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
+def dither_key(seed: int) -> int:
+    """The 31-bit key that ``dither`` XORs into the coordinate index (shared with the Triton kernel)."""
+    return _mix32(seed) & 0x7FFFFFFF
 
 
 def _mix32(value: int) -> int:
@@ -90,6 +95,20 @@ def group_log_scales(group_max: Tensor, sg_scale: Tensor, table: Tensor) -> Tens
         up = (c + 1).clamp(max=255)
         c = torch.where((c < 255) & (sg * table[up] >= group_max), up, c)
     return c
+
+
+def message_fields(group_max: Tensor, budget: int, table: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """SG scales, group log-scales and group widths of a message, from its groups' max |x| alone
+    (shared with the Triton DAR, whose kernels compute ``group_max`` and quantize with these fields)."""
+    sg_scale = group_max.view(-1, GROUPS_PER_SG).amax(dim=-1)
+    log_scales = group_log_scales(group_max, sg_scale, table)
+    widths = allocate_widths(log2_eighths(group_max), group_max > 0, budget)
+    return sg_scale, log_scales, widths
+
+
+def pack_widths(widths: Tensor) -> Tensor:
+    """The message field of 3-bit width codes (indices into ``WIDTHS``)."""
+    return pack_bits(torch.searchsorted(torch.tensor(WIDTHS, device=widths.device), widths), 3)
 
 
 def log2_eighths(x: Tensor) -> Tensor:
@@ -211,32 +230,33 @@ class DynamiQCodec(Codec):
             self._tables[device] = scale_table(device)
         return self._tables[device]
 
+    def _dither_params(self, summands: int) -> tuple[int, bool]:
+        """Seed of this call's dither, and whether this hop rounds with the antithetic ``1 - u``."""
+        return self.seed * 1_000_003 + self.calls, summands % 2 == 0
+
     def _dither(self, numel: int, summands: int, device: torch.device) -> Tensor:
-        u = dither(self.seed * 1_000_003 + self.calls, numel, device)
-        return 1.0 - u if summands % 2 == 0 else u
+        seed, antithetic = self._dither_params(summands)
+        u = dither(seed, numel, device)
+        return 1.0 - u if antithetic else u
 
     def encode(self, x: Tensor, summands: int) -> Tensor:
         check_finite(x, self.name)
         groups = x.detach().to(torch.float32).reshape(-1, GROUP)
         group_max = groups.abs().amax(dim=-1)
-        sg_scale = group_max.view(-1, GROUPS_PER_SG).amax(dim=-1)
         table = self._table(x.device)
-        log_scales = group_log_scales(group_max, sg_scale, table)
-        active = group_max > 0
-        budget = self.payload_bits(summands) * sg_scale.numel()
-        widths = allocate_widths(log2_eighths(group_max), active, budget)
+        budget = self.payload_bits(summands) * (group_max.numel() // GROUPS_PER_SG)
+        sg_scale, log_scales, widths = message_fields(group_max, budget, table)
         levels = level_count(widths).to(torch.float32)[:, None]
         group_scale = sg_scale.repeat_interleave(GROUPS_PER_SG)[:, None] * table[log_scales][:, None]
         inverse_step = torch.where(levels > 0, levels / group_scale, 0.0)
         offset = self._dither(x.numel(), summands, x.device).view_as(groups) if self.rounding == "stochastic" else 0.5
         q = torch.floor(groups * inverse_step + offset)
         q = torch.minimum(torch.maximum(q, -levels), levels)
-        width_codes = torch.searchsorted(torch.tensor(WIDTHS, device=x.device), widths)
         return torch.cat(
             [
                 sg_scale.contiguous().view(torch.uint8),
                 log_scales.to(torch.uint8),
-                pack_bits(width_codes, 3),
+                pack_widths(widths),
                 _pack_payload((q + levels).to(torch.int32), widths, 4 * budget),
             ]
         )

@@ -1,9 +1,18 @@
 """FL+FSDP and FL+HSDP Lightning strategies and the pieces they are built from."""
 
+from lightning_fedshard.strategies.ddp_dynamiq import DynamiQDDPStrategy
 from lightning_fedshard.strategies.dims import FedShardDims
 from lightning_fedshard.strategies.fl_fsdp import FLFSDPStrategy
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
 from lightning_fedshard.strategies.ledger import CommLedger
 from lightning_fedshard.strategies.registry import STRATEGY_NAMES, register_strategies
 
-__all__ = ["CommLedger", "FLFSDPStrategy", "FLHSDPStrategy", "FedShardDims", "STRATEGY_NAMES", "register_strategies"]
+__all__ = [
+    "CommLedger",
+    "DynamiQDDPStrategy",
+    "FLFSDPStrategy",
+    "FLHSDPStrategy",
+    "FedShardDims",
+    "STRATEGY_NAMES",
+    "register_strategies",
+]

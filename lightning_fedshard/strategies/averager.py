@@ -11,6 +11,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from lightning_fedshard.dynamiq.collective import all_reduce
+from lightning_fedshard.dynamiq.settings import Compression
+from lightning_fedshard.dynamiq.telemetry import CompressionStats
 from lightning_fedshard.strategies.ledger import CommLedger
 
 __all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager"]
@@ -35,6 +38,10 @@ class FedAverager:
     With ``sync_mode="leader"`` only replica 0 of each group joins the fed all-reduce and broadcasts the
     result to its replicas, which cuts cross-group traffic by the replicate size.
 
+    With ``compression`` the fed all-reduce is a compressed ring, and FedAvg averages the change since
+    the last sync (``reference - local``, as DiLoCo does) rather than the weights themselves: the
+    codec's relative error then scales with a few steps' updates, not with the weights.
+
     Example::
 
         averager = FedAverager(model.named_parameters(), fed_group=mesh.get_group("fed"),
@@ -54,6 +61,7 @@ class FedAverager:
         outer_momentum: float = 0.9,
         sync_dtype: torch.dtype = torch.float32,
         sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
+        compression: Compression | None = None,
     ) -> None:
         self.named_params = list(named_params)
         self._fed_group = fed_group
@@ -62,10 +70,14 @@ class FedAverager:
         self._sync_dtype = sync_dtype
         self._leader_broadcast = sync_mode == "leader" and dist.get_world_size(replicate_group) > 1
         self.outer_optimizer = outer_optimizer
+        self.compression = compression
+        self.stats = CompressionStats()
+        self._codec = compression.make_codec() if compression is not None else None
         self._reference: list[torch.Tensor] = []
         self._outer: torch.optim.SGD | None = None
-        if outer_optimizer == "nesterov":
+        if outer_optimizer == "nesterov" or compression is not None:
             self._reference = [p.to_local().detach().to(sync_dtype, copy=True) for _, p in self.named_params]
+        if outer_optimizer == "nesterov":
             self._outer = torch.optim.SGD(self._reference, lr=outer_lr, momentum=outer_momentum, nesterov=True)
             # A zero buffer makes the first step identical to SGD's lazy init and gives the checkpoint a fixed layout.
             for ref in self._reference:
@@ -75,17 +87,21 @@ class FedAverager:
     def sync(self) -> None:
         """Runs one cross-group round. Every FSDP module must be resharded first."""
         local_shards = [p.to_local() for _, p in self.named_params]
-        if self._outer is None:
+        if not self._reference:
             self._mean_across_groups_(local_shards)
             return
         pseudo_grads = [
             ref - local.to(self._sync_dtype) for ref, local in zip(self._reference, local_shards, strict=True)
         ]
         self._mean_across_groups_(pseudo_grads)
-        for ref, grad in zip(self._reference, pseudo_grads, strict=True):
-            ref.grad = grad
-        self._outer.step()
-        self._outer.zero_grad(set_to_none=True)
+        if self._outer is None:
+            for ref, grad in zip(self._reference, pseudo_grads, strict=True):
+                ref.sub_(grad)
+        else:
+            for ref, grad in zip(self._reference, pseudo_grads, strict=True):
+                ref.grad = grad
+            self._outer.step()
+            self._outer.zero_grad(set_to_none=True)
         for local, ref in zip(local_shards, self._reference, strict=True):
             local.copy_(ref)
 
@@ -101,7 +117,21 @@ class FedAverager:
     def _all_reduce_mean_(self, flat: torch.Tensor) -> None:
         nbytes = flat.numel() * flat.element_size()
         is_leader = not self._leader_broadcast or dist.get_rank(self._replicate_group) == 0
-        if is_leader:
+        if is_leader and self.compression is not None:
+            sent_before = self.stats.wire_bytes
+            c = self.compression
+            all_reduce(
+                flat,
+                codec=self._codec,
+                group=self._fed_group,
+                topology=c.topology,
+                min_numel=c.min_numel,
+                stats=self.stats,
+                debug=c.debug,
+            )
+            flat.div_(dist.get_world_size(self._fed_group))
+            self._ledger.record_sent("fed", self.stats.wire_bytes - sent_before)
+        elif is_leader:
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._fed_group)
             self._ledger.record("fed", "all_reduce", nbytes, dist.get_world_size(self._fed_group))
         if self._leader_broadcast:
@@ -109,23 +139,28 @@ class FedAverager:
             self._ledger.record("replicate", "broadcast", nbytes, dist.get_world_size(self._replicate_group))
 
     def state_dict(self) -> dict[str, dict[str, DTensor]]:
-        """The outer optimizer's global parameters and momentum, as DTensors sharded like the parameters,
-        so a distributed checkpoint keeps every rank's slice."""
-        if self._outer is None:
+        """The global parameters of the last sync (and the outer optimizer's momentum), as DTensors sharded
+        like the parameters, so a distributed checkpoint keeps every rank's slice."""
+        if not self._reference:
             return {}
-        state: dict[str, dict[str, DTensor]] = {"reference": {}, "momentum": {}}
+        state: dict[str, dict[str, DTensor]] = {"reference": {}}
         for (name, p), ref in zip(self.named_params, self._reference, strict=True):
             state["reference"][name] = _like(p, ref)
-            state["momentum"][name] = _like(p, self._outer.state[ref]["momentum_buffer"])
+        if self._outer is not None:
+            state["momentum"] = {
+                name: _like(p, self._outer.state[ref]["momentum_buffer"])
+                for (name, p), ref in zip(self.named_params, self._reference, strict=True)
+            }
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, dict[str, DTensor]]) -> None:
-        if self._outer is None:
+        if not self._reference:
             return
         for (name, _), ref in zip(self.named_params, self._reference, strict=True):
             ref.copy_(state["reference"][name].to_local())
-            self._outer.state[ref]["momentum_buffer"].copy_(state["momentum"][name].to_local())
+            if self._outer is not None:
+                self._outer.state[ref]["momentum_buffer"].copy_(state["momentum"][name].to_local())
 
 
 def _like(param: DTensor, local: torch.Tensor) -> DTensor:

@@ -33,6 +33,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
+from lightning_fedshard.dynamiq.plugin import DynamiQ
+from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.strategies.apply import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -253,6 +256,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.ledger = CommLedger()  # a later validate/test keeps the fit's counts readable
         install_fsdp_counters(self.model, self.ledger, self.dims.replicate_size)
+        if (compression := self._compression("gradients")) is not None:
+            comm = DynamiQReduceScatter(compression, self.precision_plugin.stats, self._count_shard_bytes)
+            install_dynamiq_reduce_scatter(self.model, comm)
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
@@ -267,10 +273,19 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 outer_momentum=self._outer_momentum,
                 sync_dtype=self._sync_dtype,
                 sync_mode=self.sync_mode,
+                compression=self._compression("fed"),
             )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _compression(self, traffic: str) -> Compression | None:
+        """The ``DynamiQ`` plugin's settings when it asks for ``traffic`` to be compressed."""
+        plugin = self.precision_plugin
+        return plugin.compression if isinstance(plugin, DynamiQ) and plugin.compresses(traffic) else None
+
+    def _count_shard_bytes(self, nbytes: float) -> None:
+        self.ledger.record_sent("shard", nbytes)
 
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
@@ -310,6 +325,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         step_bytes = self.ledger.close_step()
         metrics = {f"comm/{tier}_bytes": step_bytes[tier] for tier in TIERS}
         metrics["fed/syncs"] = float(self.syncs)
+        if self._averager is not None and self._averager.stats.calls:
+            metrics.update(self._averager.stats.as_metrics("dynamiq/fed"))
+            self._averager.stats.reset()
         assert self.lightning_module is not None
         self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 

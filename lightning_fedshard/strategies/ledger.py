@@ -54,6 +54,13 @@ class CommLedger:
             return
         self._step[tier] += ring_bytes(collective, nbytes, group_size)
 
+    def record_sent(self, tier: str, nbytes: float) -> None:
+        """Adds bytes this rank actually sent, for collectives that count their own (compressed) traffic."""
+        if tier not in TIERS:
+            raise ValueError(f"Unknown communication tier {tier!r}; expected one of {TIERS}.")
+        if not self.paused:
+            self._step[tier] += nbytes
+
     def close_step(self) -> dict[str, float]:
         """Ends the current optimizer step and returns its bytes per tier."""
         step = {tier: self._step.get(tier, 0.0) for tier in TIERS}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fedshard.strategies.ddp_dynamiq import DynamiQDDPStrategy
 from lightning_fedshard.strategies.fl_fsdp import FLFSDPStrategy
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
 
@@ -16,6 +17,7 @@ _STRATEGIES = {
     "fl_hsdp": (FLHSDPStrategy, {}, "FL+HSDP: federation groups of HSDP, parameter shards averaged every few steps"),
     "fsdp2": (FLFSDPStrategy, {"num_groups": 1}, "FSDP2 over all ranks (the fl_fsdp code path with one group)"),
     "hsdp": (FLHSDPStrategy, {"num_groups": 1}, "HSDP over all ranks (the fl_hsdp code path with one group)"),
+    "ddp_dynamiq": (DynamiQDDPStrategy, {}, "DDP whose gradient all-reduce is DynamiQ's compressed ring (5 bits)"),
 }
 STRATEGY_NAMES = tuple(_STRATEGIES)
 

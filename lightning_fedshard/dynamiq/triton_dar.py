@@ -1,0 +1,255 @@
+"""The DynamiQ decompress-accumulate-recompress (DAR) hop in Triton, byte for byte equal to ``DynamiQCodec``.
+
+A ring hop turns a received message holding ``h`` chunks into one holding ``h + 1``:
+``encode(decode(msg) + local, h + 1)``. The widths of the outgoing message are water-filled over the
+*whole* message (``allocate_widths``), so no group can be quantized before every group's max |sum| is
+known. One kernel would need a grid-wide barrier for that; instead the hop is two kernels around a
+short torch step that works on one float per group (n/32 values, not n):
+
+1. ``_decode_accumulate`` (one program per ``BLOCK_GROUPS`` groups): unpacks each coordinate's
+   ``w``-bit code from the payload bytes, dequantizes it, adds the local chunk, writes the fp32 sum
+   and each group's max |sum|.
+2. torch, reusing the reference functions (``message_fields``, ``payload_offsets``, ``pack_widths``):
+   SG scales, group log-scales, the water-filled widths, the payload offsets and the width codes.
+3. ``_quantize_pack`` (one program per ``BLOCK_GROUPS`` groups): re-reads the sum, quantizes it and
+   writes each group's ``4·w`` payload bytes at its offset. Groups own disjoint byte ranges, so the
+   programs need no atomics.
+
+Bit-exactness with the torch reference rests on three things: every float operation is the reference's,
+in its order (no reassociation); the kernels are launched with ``enable_fp_fusion=False`` so that a
+GPU build does not contract ``a * b + c`` into an FMA, which rounds once instead of twice; divisions
+use ``tl.div_rn`` (IEEE round-to-nearest) because Triton's ``/`` may compile to an approximate
+division. The stochastic-rounding dither is the reference's 32-bit integer hash, computed in-kernel in
+wrapping uint32 arithmetic. On CPU the kernels run under ``TRITON_INTERPRET=1`` (a correctness tool,
+orders of magnitude slower than the torch codec); compiled on a GPU they are the fast path.
+
+Example::
+
+    codec = DynamiQCodec(bits=5.0)
+    msg = codec.encode(x, summands=1)
+    out = dar(codec, msg, y, summands=1)   # == codec.encode(codec.decode(msg, n, 1) + y, 2)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_fedshard.dynamiq.codec import check_finite
+from lightning_fedshard.dynamiq.dynamiq_codec import (
+    GROUP,
+    GROUPS_PER_SG,
+    MAX_WIDTH,
+    SUPER_GROUP,
+    DynamiQCodec,
+    dither_key,
+    message_fields,
+    pack_widths,
+    payload_offsets,
+    split_message,
+)
+
+__all__ = ["BLOCK_GROUPS", "dar", "encode"]
+
+#: Groups of 32 per program: 16 groups (512 coordinates) keep the packing tile at 4K registers.
+BLOCK_GROUPS = 16
+
+
+@triton.jit
+def _levels(width):
+    # 2^(w-1) - 1 as fp32; the shift is clamped because 1 << -1 is undefined for width-0 groups.
+    return tl.where(width > 0, (1 << tl.maximum(width - 1, 0)) - 1, 0).to(tl.float32)
+
+
+@triton.jit
+def _uniform(coord, key, ANTITHETIC: tl.constexpr):
+    """``dither`` of the reference at ``coord``: its int64 emulation masks every product to 32 bits,
+    which is what uint32 multiplication wraps to."""
+    h = coord.to(tl.uint32) ^ key.to(tl.uint32)
+    h = (h ^ (h >> 16)) * 0x45D9F3B
+    h = (h ^ (h >> 16)) * 0x45D9F3B
+    h = h ^ (h >> 16)
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+    if ANTITHETIC:
+        u = 1.0 - u
+    return u
+
+
+@triton.jit
+def _decode_accumulate(
+    payload,
+    sg_scales,
+    log_scales,
+    widths,
+    offsets,
+    table,
+    local,
+    total,
+    group_max,
+    num_groups,
+    BLOCK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    PER_SG: tl.constexpr,
+):
+    group = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = group < num_groups
+    width = tl.load(widths + group, mask=live, other=0).to(tl.int32)
+    start = tl.load(offsets + group, mask=live, other=0).to(tl.int64)
+    scale_index = tl.load(log_scales + group, mask=live, other=0)
+    group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
+    levels = _levels(width)
+    step = tl.where(levels > 0, tl.div_rn(group_scale, tl.where(levels > 0, levels, 1.0)), 0.0)
+
+    # Code j of a group occupies bits [j·w, (j+1)·w) of its bytes; with w <= 8 it touches at most two.
+    j = tl.arange(0, GROUP_SIZE)
+    bit = j[None, :] * width[:, None]
+    byte = payload + start[:, None] + (bit >> 3)
+    shift = bit & 7
+    coded = live[:, None] & (width[:, None] > 0)
+    low = tl.load(byte, mask=coded, other=0).to(tl.int32)
+    high = tl.load(byte + 1, mask=coded & (shift + width[:, None] > 8), other=0).to(tl.int32)
+    code = ((low | (high << 8)) >> shift) & ((1 << width[:, None]) - 1)
+
+    coord = group[:, None].to(tl.int64) * GROUP_SIZE + j[None, :]
+    value = (code.to(tl.float32) - levels[:, None]) * step[:, None]
+    value = value + tl.load(local + coord, mask=live[:, None], other=0.0).to(tl.float32)
+    tl.store(total + coord, value, mask=live[:, None])
+    tl.store(group_max + group, tl.max(tl.abs(value), axis=1), mask=live)
+
+
+@triton.jit(do_not_specialize=["key"])
+def _quantize_pack(
+    total,
+    sg_scales,
+    log_scales,
+    widths,
+    offsets,
+    table,
+    payload,
+    num_groups,
+    key,
+    STOCHASTIC: tl.constexpr,
+    ANTITHETIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    PER_SG: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    group = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = group < num_groups
+    width = tl.load(widths + group, mask=live, other=0).to(tl.int32)
+    start = tl.load(offsets + group, mask=live, other=0).to(tl.int64)
+    scale_index = tl.load(log_scales + group, mask=live, other=0)
+    group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
+    levels = _levels(width)
+    inverse_step = tl.where(levels > 0, tl.div_rn(levels, tl.where(levels > 0, group_scale, 1.0)), 0.0)
+
+    j = tl.arange(0, GROUP_SIZE)
+    coord = group[:, None].to(tl.int64) * GROUP_SIZE + j[None, :]
+    x = tl.load(total + coord, mask=live[:, None], other=0.0)
+    if STOCHASTIC:
+        offset = _uniform(coord, key, ANTITHETIC)
+    else:
+        offset = 0.5
+    q = tl.floor(x * inverse_step[:, None] + offset)
+    q = tl.minimum(tl.maximum(q, -levels[:, None]), levels[:, None])
+    code = (q + levels[:, None]).to(tl.int32).to(tl.uint32)
+
+    # A group's 32·w bits are w little-endian 32-bit words. Word m takes from code j the bits that
+    # fall in [32m, 32m + 32): shifted left by j·w - 32m when the code starts inside the word, right
+    # when it started in the previous one. The bit ranges are disjoint, so their sum is their OR (no
+    # carries) and the word is built in registers from one coalesced load of the group, without gathers.
+    m = tl.arange(0, WORDS)
+    s = j[None, None, :] * width[:, None, None] - 32 * m[None, :, None]
+    code = code[:, None, :]
+    piece = tl.where(s >= 0, code << tl.minimum(s, 31).to(tl.uint32), code >> tl.minimum(-s, 31).to(tl.uint32))
+    piece = tl.where((s < 32) & (s > -width[:, None, None]), piece, 0)
+    word = tl.sum(piece, axis=2)
+
+    b = tl.arange(0, 4)
+    out = ((word[:, :, None] >> (8 * b[None, None, :]).to(tl.uint32)) & 0xFF).to(tl.uint8)
+    target = payload + start[:, None, None] + 4 * m[None, :, None] + b[None, None, :]
+    tl.store(target, out, mask=live[:, None, None] & (m[None, :, None] < width[:, None, None]))
+
+
+def dar(codec: DynamiQCodec, msg: Tensor, local: Tensor, summands: int) -> Tensor:
+    """``codec.encode(codec.decode(msg, n, summands) + local, summands + 1)``, byte for byte, with
+    ``n = local.numel()`` a multiple of 256. ``local`` may be fp32, fp16 or bf16 (it is added in fp32)."""
+    numel = local.numel()
+    _check_numel(numel)
+    if local.dtype == torch.float64:
+        # The reference adds in fp64 and rounds the sum once; the kernel adds in fp32.
+        return codec.encode(codec.decode(msg, numel, summands) + local, summands + 1)
+    groups = numel // GROUP
+    budget = codec.payload_bits(summands) * (numel // SUPER_GROUP)
+    sg_scale, log_scales, widths, payload = split_message(msg, numel, budget)
+    local = local.detach().reshape(-1).contiguous()
+    total = torch.empty(numel, dtype=torch.float32, device=local.device)
+    group_max = torch.empty(groups, dtype=torch.float32, device=local.device)
+    _decode_accumulate[(triton.cdiv(groups, BLOCK_GROUPS),)](
+        payload,
+        sg_scale,
+        log_scales,
+        widths,
+        payload_offsets(widths),
+        codec._table(local.device),
+        local,
+        total,
+        group_max,
+        groups,
+        BLOCK=BLOCK_GROUPS,
+        GROUP_SIZE=GROUP,
+        PER_SG=GROUPS_PER_SG,
+        enable_fp_fusion=False,
+    )
+    check_finite(total, codec.name)
+    return _encode_with_max(codec, total, group_max, summands + 1)
+
+
+def encode(codec: DynamiQCodec, x: Tensor, summands: int) -> Tensor:
+    """``codec.encode(x, summands)``, byte for byte (``x.numel()`` a multiple of 256)."""
+    _check_numel(x.numel())
+    check_finite(x, codec.name)
+    x = x.detach().to(torch.float32).reshape(-1).contiguous()
+    return _encode_with_max(codec, x, x.view(-1, GROUP).abs().amax(dim=-1), summands)
+
+
+def _encode_with_max(codec: DynamiQCodec, x: Tensor, group_max: Tensor, summands: int) -> Tensor:
+    groups, sgs = group_max.numel(), group_max.numel() // GROUPS_PER_SG
+    table = codec._table(x.device)
+    budget = codec.payload_bits(summands) * sgs
+    sg_scale, log_scales, widths = message_fields(group_max, budget, table)
+    # The reference's field order, written in place instead of concatenated. Zeros because the
+    # water-filling may leave part of the budget unused, and the reference zero-pads the payload.
+    side = 4 * sgs + groups + 3 * groups // 8
+    msg = torch.zeros(side + 4 * budget, dtype=torch.uint8, device=x.device)
+    msg[: 4 * sgs] = sg_scale.view(torch.uint8)
+    msg[4 * sgs : 4 * sgs + groups] = log_scales.to(torch.uint8)
+    msg[4 * sgs + groups : side] = pack_widths(widths)
+    seed, antithetic = codec._dither_params(summands)
+    _quantize_pack[(triton.cdiv(groups, BLOCK_GROUPS),)](
+        x,
+        sg_scale,
+        log_scales,
+        widths,
+        payload_offsets(widths),
+        table,
+        msg[side:],
+        groups,
+        dither_key(seed),
+        STOCHASTIC=codec.rounding == "stochastic",
+        ANTITHETIC=antithetic,
+        BLOCK=BLOCK_GROUPS,
+        GROUP_SIZE=GROUP,
+        PER_SG=GROUPS_PER_SG,
+        WORDS=MAX_WIDTH,
+        enable_fp_fusion=False,
+    )
+    return msg
+
+
+def _check_numel(numel: int) -> None:
+    if numel % SUPER_GROUP:
+        raise ValueError(f"DynamiQ encodes chunks of a multiple of {SUPER_GROUP} coordinates, got {numel}.")

@@ -1,0 +1,73 @@
+"""``ddp_dynamiq``: DDP whose gradient all-reduce is DynamiQ's compressed ring, on CPU/gloo as on CUDA/NCCL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL
+from lightning_fedshard.dynamiq.ddp_hook import DynamiQHookState, dynamiq_hook
+from lightning_fedshard.dynamiq.settings import Compression
+
+__all__ = ["DynamiQDDPStrategy"]
+
+
+class DynamiQDDPStrategy(DDPStrategy):
+    """DDP with the DynamiQ comm hook; ``strategy="ddp_dynamiq"`` is this class with its defaults.
+
+    Lightning's ``DDPStrategy`` registers comm hooks only on CUDA; this strategy registers them on every
+    device, so the compressed ring also runs on CPU/gloo. Passing ``ddp_comm_hook=`` (for example
+    torch's ``powerSGD_hook`` with a ``PowerSGDState``) runs that hook instead, also on CPU. Each step
+    logs ``dynamiq/gradients/{wire_bytes,bits_per_coord[,vnmse]}``.
+
+    Arguments:
+        codec, bits, topology, min_numel, debug: as in :class:`~lightning_fedshard.dynamiq.Compression`.
+        **kwargs: ``DDPStrategy`` arguments (``process_group_backend``, ``bucket_cap_mb``, ...).
+
+    Example::
+
+        trainer = Trainer(strategy=DynamiQDDPStrategy(bits=5.0), accelerator="cpu", devices=4)
+    """
+
+    def __init__(
+        self,
+        codec: str = "dynamiq",
+        bits: float = 5.0,
+        topology: str = "ring",
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        debug: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.hook_state: DynamiQHookState | None = None
+        if kwargs.get("ddp_comm_hook") is None:
+            compression = Compression(codec=codec, bits=bits, topology=topology, min_numel=min_numel, debug=debug)
+            self.hook_state = DynamiQHookState(compression)
+            kwargs.update(ddp_comm_state=self.hook_state, ddp_comm_hook=dynamiq_hook)
+        super().__init__(**kwargs)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self.root_device.type == "cuda":
+            super()._register_ddp_hooks()
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        stats = self.hook_state.stats if self.hook_state is not None else None
+        if stats is not None and stats.calls:
+            module = self.lightning_module
+            assert isinstance(module, pl.LightningModule)
+            module.log_dict(stats.as_metrics("dynamiq/gradients"), on_step=True, on_epoch=False)
+            stats.reset()
+        return output
