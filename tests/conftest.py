@@ -1,4 +1,12 @@
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only under the interpreter, which @triton.jit picks when it is applied,
+    # also to triton's own library functions: set it before anything (torch included) imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -64,6 +64,19 @@ def _levels(width):
 
 
 @triton.jit
+def _step(levels, group_scale):
+    """Decode's ``group_scale / L`` (0 for width 0), IEEE-rounded like torch's division."""
+    return tl.where(levels > 0, tl.div_rn(group_scale, tl.where(levels > 0, levels, 1.0)), 0.0)
+
+
+@triton.jit
+def _inverse_step(levels, group_scale):
+    """Encode's ``L / group_scale`` (0 for width 0): a division, not ``L * (1 / group_scale)``, which
+    differs in the last bit and would move codes that lie near a rounding boundary."""
+    return tl.where(levels > 0, tl.div_rn(levels, tl.where(levels > 0, group_scale, 1.0)), 0.0)
+
+
+@triton.jit
 def _uniform(coord, key, ANTITHETIC: tl.constexpr):
     """``dither`` of the reference at ``coord``: its int64 emulation masks every product to 32 bits,
     which is what uint32 multiplication wraps to."""
@@ -100,7 +113,7 @@ def _decode_accumulate(
     scale_index = tl.load(log_scales + group, mask=live, other=0)
     group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
     levels = _levels(width)
-    step = tl.where(levels > 0, tl.div_rn(group_scale, tl.where(levels > 0, levels, 1.0)), 0.0)
+    step = _step(levels, group_scale)
 
     # Code j of a group occupies bits [j·w, (j+1)·w) of its bytes; with w <= 8 it touches at most two.
     j = tl.arange(0, GROUP_SIZE)
@@ -144,7 +157,7 @@ def _quantize_pack(
     scale_index = tl.load(log_scales + group, mask=live, other=0)
     group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
     levels = _levels(width)
-    inverse_step = tl.where(levels > 0, tl.div_rn(levels, tl.where(levels > 0, group_scale, 1.0)), 0.0)
+    inverse_step = _inverse_step(levels, group_scale)
 
     j = tl.arange(0, GROUP_SIZE)
     coord = group[:, None].to(tl.int64) * GROUP_SIZE + j[None, :]

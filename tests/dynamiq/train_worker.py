@@ -38,10 +38,13 @@ class Regression(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(FEATURES, 512), nn.Tanh(), nn.Linear(512, 128), nn.Tanh(), nn.Linear(128, 1))
         self.losses: list[float] = []
+        self.forward_dtypes: set[str] = set()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
+        output = self.net(x)
+        self.forward_dtypes.add(str(output.dtype))
+        loss = nn.functional.mse_loss(output.float(), y)
         self.losses.append(loss.item())
         return loss
 
@@ -101,14 +104,13 @@ def main(config_path: str) -> None:
     )
     trainer.fit(module)
     strategy = trainer.strategy
-    hook_state = getattr(strategy, "hook_state", None) or getattr(trainer.precision_plugin, "hook_state", None)
     torch.save(
         {
             "losses": module.losses,
             "metrics": recorder.steps,
             "final": full_params(strategy.model),
             "ledger_mean": strategy.ledger.mean_per_step() if hasattr(strategy, "ledger") else None,
-            "hook_calls": hook_state.stats.calls if hook_state is not None else None,
+            "forward_dtypes": sorted(module.forward_dtypes),
         },
         Path(cfg["out"]) / f"rank{trainer.global_rank}.pt",
     )

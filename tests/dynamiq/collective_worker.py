@@ -1,0 +1,66 @@
+"""Every codec through the real compressed collectives on gloo; launched by the tests under torchrun.
+
+Usage: torchrun --nproc-per-node=4 collective_worker.py OUT_DIR — each rank writes ``OUT_DIR/rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_fedshard.dynamiq import CODECS, CompressionStats, all_reduce, reduce_scatter
+
+NUMEL = 70_001  # not a multiple of any block: exercises the padding
+TOPOLOGIES = ("ring", "butterfly")
+
+
+def rank_input(rank: int, numel: int = NUMEL) -> torch.Tensor:
+    """Heavy-tailed, with scales that vary along the tensor like the layers of a model; shared by the test."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    scale = torch.logspace(-2, 0, 8).repeat_interleave(-(-numel // 8))[:numel]
+    return _student_t(gen, numel) * scale
+
+
+def _student_t(gen: torch.Generator, numel: int) -> torch.Tensor:
+    normal = torch.randn(numel, generator=gen)
+    chi2 = torch.randn(3, numel, generator=gen).square().sum(dim=0)
+    return normal / (chi2 / 3).sqrt()
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = rank_input(rank)
+    record: dict = {"all_reduce": {}, "reduce_scatter": {}}
+    for codec in sorted(CODECS):
+        for topology in TOPOLOGIES:
+            stats = CompressionStats()
+            summed = all_reduce(x.clone(), codec=codec, bits=5.0, topology=topology, stats=stats, debug=True)
+            gathered = [torch.empty_like(summed) for _ in range(world)]
+            dist.all_gather(gathered, summed)
+            record["all_reduce"][codec, topology] = {
+                "result": summed,
+                "identical": all(torch.equal(gathered[0], g) for g in gathered),
+                "bits": stats.bits_per_coord,
+                "vnmse": stats.vnmse,
+            }
+        shard = torch.empty(NUMEL // world + 1)
+        stats = CompressionStats()
+        padded = torch.cat([x, x.new_zeros(world * shard.numel() - NUMEL)])
+        reduce_scatter(shard, padded, codec=codec, bits=5.0, stats=stats)
+        record["reduce_scatter"][codec] = {"result": shard, "bits": stats.bits_per_coord}
+    small = x[:1000].clone()
+    all_reduce(small, codec="dynamiq")
+    exact = x[:1000].clone()
+    dist.all_reduce(exact)
+    record["small_fallback_equal"] = torch.equal(small, exact)
+    torch.save(record, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
