@@ -8,18 +8,18 @@ import pytest
 import yaml
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy
+from lightning_fedshard import DynamiQDDPStrategy, FLFSDPStrategy, FLHSDPStrategy
 from lightning_fedshard.cli import FedShardCLI, main
 from lightning_fedshard.strategies.dims import FedShardDims
 from tests.launching import REPO
 
-RECIPES = sorted((REPO / "recipes").glob("*/*.yaml"))
 LAYOUTS = {
     "fsdp2": (FLFSDPStrategy, 1),
     "hsdp": (FLHSDPStrategy, 1),
     "fl_fsdp": (FLFSDPStrategy, None),
     "fl_hsdp": (FLHSDPStrategy, None),
 }
+RECIPES = sorted(p for p in (REPO / "recipes").glob("*/*.yaml") if p.stem in LAYOUTS)
 # the reference experiment's layouts at 512 GPUs: (groups, replicas, shards)
 REFERENCE_8B = {"fsdp2": (1, 1, 512), "hsdp": (1, 128, 4), "fl_fsdp": (128, 1, 4), "fl_hsdp": (16, 8, 4)}
 
@@ -38,6 +38,20 @@ def print_config(capsys, *args: str) -> dict:
 
 def test_every_layout_has_a_tiny_and_an_8b_recipe():
     assert {(p.parent.name, p.stem) for p in RECIPES} == {(m, s) for m in ("tiny", "llama3.1-8b") for s in LAYOUTS}
+    others = {p.relative_to(REPO / "recipes") for p in (REPO / "recipes").glob("*/*.yaml") if p.stem not in LAYOUTS}
+    assert others == {Path("tiny/ddp_dynamiq.yaml")}
+
+
+def test_the_compression_recipe_differs_from_fsdp2_only_in_strategy_and_run_name(capsys):
+    compressed = print_config(capsys, "--config", str(REPO / "recipes/tiny/ddp_dynamiq.yaml"))
+    baseline = print_config(capsys, "--config", str(REPO / "recipes/tiny/fsdp2.yaml"))
+    strategy = compressed["trainer"].pop("strategy")
+    assert strategy["class_path"] == "lightning_fedshard.DynamiQDDPStrategy"
+    assert DynamiQDDPStrategy(**strategy["init_args"]).hook_state.compression.bits == 5.0
+    baseline["trainer"].pop("strategy")
+    for config in (compressed, baseline):
+        config["trainer"]["logger"]["init_args"].pop("name")
+    assert compressed == baseline
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")

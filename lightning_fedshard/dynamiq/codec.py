@@ -84,6 +84,12 @@ class Codec:
         """Maps ``[k, m]`` summed chunks from the summation domain back to ``[k, n]`` fp32 values."""
         return total
 
+    def blocks_in(self, numel: int) -> int:
+        """How many blocks ``numel`` coordinates make; the collective pads chunks so this never fails there."""
+        if numel % self.block:
+            raise ValueError(f"{self.name}: {numel} coordinates are not a multiple of the block size {self.block}.")
+        return numel // self.block
+
     def message_bytes(self, numel: int, summands: int) -> int:
         raise NotImplementedError
 

@@ -12,7 +12,6 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fedshard.dynamiq.codec import Codec
-from lightning_fedshard.dynamiq.collective import all_reduce
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
@@ -45,16 +44,7 @@ def dynamiq_hook(state: DynamiQHookState, bucket: dist.GradBucket) -> torch.futu
     work is done when the hook returns and the future is already completed.
     """
     buffer = bucket.buffer()
-    c = state.compression
-    all_reduce(
-        buffer,
-        codec=state.codec,
-        group=state.process_group,
-        topology=c.topology,
-        min_numel=c.min_numel,
-        stats=state.stats,
-        debug=c.debug,
-    )
+    state.compression.all_reduce(buffer, state.codec, state.process_group, state.stats)
     buffer.div_(dist.get_world_size(state.process_group))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)

@@ -11,7 +11,6 @@ from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from lightning_fedshard.dynamiq.collective import reduce_scatter
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
@@ -53,16 +52,7 @@ class DynamiQReduceScatter(ReduceScatter):
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"DynamiQReduceScatter supports SUM and AVG reductions, got {op}.")
         sent_before = self.stats.wire_bytes
-        c = self.compression
-        reduce_scatter(
-            output_tensor,
-            input_tensor,
-            codec=self.codec,
-            group=group,
-            topology=c.topology,
-            min_numel=c.min_numel,
-            stats=self.stats,
-        )
+        self.compression.reduce_scatter(output_tensor, input_tensor, self.codec, group, self.stats)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(dist.get_world_size(group))
         if self._on_sent is not None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
 from lightning_fedshard.dynamiq.codec import CODECS, Codec, make_codec
-from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL, TOPOLOGIES
+from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL, TOPOLOGIES, all_reduce, reduce_scatter
+from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
 __all__ = ["Compression"]
 
@@ -47,3 +51,23 @@ class Compression:
     def make_codec(self) -> Codec:
         """A fresh codec instance; keep it across calls so stateful codecs (seeds) advance."""
         return make_codec(self.codec, self.bits)
+
+    def all_reduce(self, tensor: Tensor, codec: Codec, group: ProcessGroup | None, stats: CompressionStats) -> Tensor:
+        """``dynamiq.all_reduce`` (in-place sum) with these settings and ``codec`` (from ``make_codec``)."""
+        return all_reduce(
+            tensor,
+            codec=codec,
+            group=group,
+            topology=self.topology,
+            min_numel=self.min_numel,
+            stats=stats,
+            debug=self.debug,
+        )
+
+    def reduce_scatter(
+        self, output: Tensor, input: Tensor, codec: Codec, group: ProcessGroup | None, stats: CompressionStats
+    ) -> Tensor:
+        """``dynamiq.reduce_scatter`` (sum) with these settings and ``codec``."""
+        return reduce_scatter(
+            output, input, codec=codec, group=group, topology=self.topology, min_numel=self.min_numel, stats=stats
+        )

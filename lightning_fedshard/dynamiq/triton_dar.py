@@ -64,6 +64,18 @@ def _levels(width):
 
 
 @triton.jit
+def _group_fields(widths, offsets, log_scales, sg_scales, table, num_groups, BLOCK: tl.constexpr, PER_SG: tl.constexpr):
+    """This program's groups and their width, payload byte offset, scale and level count."""
+    group = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = group < num_groups
+    width = tl.load(widths + group, mask=live, other=0).to(tl.int32)
+    start = tl.load(offsets + group, mask=live, other=0).to(tl.int64)
+    scale_index = tl.load(log_scales + group, mask=live, other=0)
+    group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
+    return group, live, width, start, group_scale, _levels(width)
+
+
+@triton.jit
 def _step(levels, group_scale):
     """Decode's ``group_scale / L`` (0 for width 0), IEEE-rounded like torch's division."""
     return tl.where(levels > 0, tl.div_rn(group_scale, tl.where(levels > 0, levels, 1.0)), 0.0)
@@ -106,13 +118,9 @@ def _decode_accumulate(
     GROUP_SIZE: tl.constexpr,
     PER_SG: tl.constexpr,
 ):
-    group = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = group < num_groups
-    width = tl.load(widths + group, mask=live, other=0).to(tl.int32)
-    start = tl.load(offsets + group, mask=live, other=0).to(tl.int64)
-    scale_index = tl.load(log_scales + group, mask=live, other=0)
-    group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
-    levels = _levels(width)
+    group, live, width, start, group_scale, levels = _group_fields(
+        widths, offsets, log_scales, sg_scales, table, num_groups, BLOCK, PER_SG
+    )
     step = _step(levels, group_scale)
 
     # Code j of a group occupies bits [j·w, (j+1)·w) of its bytes; with w <= 8 it touches at most two.
@@ -150,13 +158,9 @@ def _quantize_pack(
     PER_SG: tl.constexpr,
     WORDS: tl.constexpr,
 ):
-    group = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = group < num_groups
-    width = tl.load(widths + group, mask=live, other=0).to(tl.int32)
-    start = tl.load(offsets + group, mask=live, other=0).to(tl.int64)
-    scale_index = tl.load(log_scales + group, mask=live, other=0)
-    group_scale = tl.load(sg_scales + group // PER_SG, mask=live, other=0.0) * tl.load(table + scale_index, mask=live)
-    levels = _levels(width)
+    group, live, width, start, group_scale, levels = _group_fields(
+        widths, offsets, log_scales, sg_scales, table, num_groups, BLOCK, PER_SG
+    )
     inverse_step = _inverse_step(levels, group_scale)
 
     j = tl.arange(0, GROUP_SIZE)

@@ -11,7 +11,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from lightning_fedshard.dynamiq.collective import all_reduce
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 from lightning_fedshard.strategies.ledger import CommLedger
@@ -119,16 +118,7 @@ class FedAverager:
         is_leader = not self._leader_broadcast or dist.get_rank(self._replicate_group) == 0
         if is_leader and self.compression is not None:
             sent_before = self.stats.wire_bytes
-            c = self.compression
-            all_reduce(
-                flat,
-                codec=self._codec,
-                group=self._fed_group,
-                topology=c.topology,
-                min_numel=c.min_numel,
-                stats=self.stats,
-                debug=c.debug,
-            )
+            self.compression.all_reduce(flat, self._codec, self._fed_group, self.stats)
             flat.div_(dist.get_world_size(self._fed_group))
             self._ledger.record_sent("fed", self.stats.wire_bytes - sent_before)
         elif is_leader:

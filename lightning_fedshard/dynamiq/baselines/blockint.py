@@ -22,12 +22,6 @@ from lightning_fedshard.dynamiq.codec import Codec, check_finite, register_codec
 __all__ = ["BlockIntCodec", "Int4Codec", "Int8Codec"]
 
 
-def _blocks(numel: int, block: int, name: str) -> int:
-    if numel % block:
-        raise ValueError(f"{name}: {numel} coordinates are not a multiple of the block size {block}.")
-    return numel // block
-
-
 class BlockIntCodec(Codec):
     """Symmetric ``width``-bit integers with one fp32 absmax scale per block of 32 (subclasses set ``width``).
 
@@ -47,12 +41,12 @@ class BlockIntCodec(Codec):
         return (1 << (self.width - 1)) - 1
 
     def message_bytes(self, numel: int, summands: int) -> int:
-        blocks = _blocks(numel, self.block, self.name)
+        blocks = self.blocks_in(numel)
         return 4 * blocks + packed_bytes(numel, self.width)
 
     def encode(self, x: Tensor, summands: int) -> Tensor:
         check_finite(x, self.name)
-        _blocks(x.numel(), self.block, self.name)
+        self.blocks_in(x.numel())
         blocks = x.detach().reshape(-1, self.block).to(torch.float32)
         scale = blocks.abs().amax(dim=1)
         # an all-zero block keeps scale 0 on the wire; dividing by 1 instead maps it to level 0
@@ -63,7 +57,7 @@ class BlockIntCodec(Codec):
         return torch.cat([as_bytes(scale), pack_bits_fast(codes, self.width)])
 
     def decode(self, msg: Tensor, numel: int, summands: int) -> Tensor:
-        blocks = _blocks(numel, self.block, self.name)
+        blocks = self.blocks_in(numel)
         msg = msg.reshape(-1)
         if msg.numel() < self.message_bytes(numel, summands):
             raise ValueError(f"{self.name}: a message of {msg.numel()} bytes cannot hold {numel} coordinates.")

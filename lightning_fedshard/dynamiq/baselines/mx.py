@@ -159,16 +159,11 @@ class MXCodec(Codec):
     fmt: ClassVar[ElementFormat] = E4M3
 
     def message_bytes(self, numel: int, summands: int) -> int:
-        return self._blocks(numel) + packed_bytes(numel, self.fmt.width)
-
-    def _blocks(self, numel: int) -> int:
-        if numel % self.block:
-            raise ValueError(f"{self.name}: {numel} coordinates are not a multiple of the block size {self.block}.")
-        return numel // self.block
+        return self.blocks_in(numel) + packed_bytes(numel, self.fmt.width)
 
     def encode(self, x: Tensor, summands: int) -> Tensor:
         check_finite(x, self.name)
-        self._blocks(x.numel())
+        self.blocks_in(x.numel())
         blocks = x.detach().reshape(-1, self.block).to(torch.float32)
         amax = blocks.abs().amax(dim=1)
         _, exponent = torch.frexp(amax)
@@ -181,7 +176,7 @@ class MXCodec(Codec):
         return torch.cat([scale_bytes, pack_bits_fast(codes, self.fmt.width)])
 
     def decode(self, msg: Tensor, numel: int, summands: int) -> Tensor:
-        blocks = self._blocks(numel)
+        blocks = self.blocks_in(numel)
         msg = msg.reshape(-1)
         if msg.numel() < self.message_bytes(numel, summands):
             raise ValueError(f"{self.name}: a message of {msg.numel()} bytes cannot hold {numel} coordinates.")

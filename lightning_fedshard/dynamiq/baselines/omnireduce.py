@@ -37,14 +37,9 @@ class OmniReduceCodec(Codec):
     def message_bytes(self, numel: int, summands: int) -> int:
         raise NotImplementedError("omnireduce messages vary in size with the data; see encode().")
 
-    def _blocks(self, numel: int) -> int:
-        if numel % self.block:
-            raise ValueError(f"{self.name}: {numel} coordinates are not a multiple of the block size {self.block}.")
-        return numel // self.block
-
     def encode(self, x: Tensor, summands: int) -> Tensor:
         check_finite(x, self.name)
-        self._blocks(x.numel())
+        self.blocks_in(x.numel())
         blocks = x.detach().reshape(-1, self.block).to(torch.float32).contiguous()
         # test the bits, not the values: a block of -0.0 is sent, so decode reproduces it bit for bit
         nonzero = (blocks.view(torch.int32) != 0).any(dim=1)
@@ -52,7 +47,7 @@ class OmniReduceCodec(Codec):
         return torch.cat([bitmap, as_bytes(blocks[nonzero])])
 
     def decode(self, msg: Tensor, numel: int, summands: int) -> Tensor:
-        blocks = self._blocks(numel)
+        blocks = self.blocks_in(numel)
         msg = msg.reshape(-1)
         header = packed_bytes(blocks, 1)
         nonzero = unpack_bits_fast(msg[:header], 1, blocks).bool()
