@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -22,7 +24,8 @@ class DynamiQDDPStrategy(DDPStrategy):
 
     Lightning's ``DDPStrategy`` registers comm hooks only on CUDA; this strategy registers them on every
     device, so the compressed ring also runs on CPU/gloo. Passing ``ddp_comm_hook=`` (for example
-    torch's ``powerSGD_hook`` with a ``PowerSGDState``) runs that hook instead, also on CPU. Each step
+    torch's ``powerSGD_hook`` with a ``PowerSGDState``) runs that hook instead, also on CPU, where each
+    bucket is finished before the next starts so that ranks issue collectives in one order. Each step
     logs ``dynamiq/gradients/{wire_bytes,bits_per_coord[,vnmse]}``.
 
     Arguments:
@@ -59,7 +62,7 @@ class DynamiQDDPStrategy(DDPStrategy):
         hook = self._ddp_comm_hook
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=_one_bucket_at_a_time(hook))
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -71,3 +74,17 @@ class DynamiQDDPStrategy(DDPStrategy):
             module.log_dict(stats.as_metrics("dynamiq/gradients"), on_step=True, on_epoch=False)
             stats.reset()
         return output
+
+
+def _one_bucket_at_a_time(hook: Callable) -> Callable:
+    """Finishes each bucket before DDP hands over the next. Gloo runs future callbacks on its own thread, so a
+    hook that issues collectives from callbacks (PowerSGD) races the next bucket's hook and ranks disagree on
+    the order of collectives ("Received data size doesn't match expected size")."""
+
+    def finished_hook(state, bucket):  # unannotated: DDP rejects string annotations
+        future = torch.futures.Future()
+        future.set_result(hook(state, bucket).wait())
+        return future
+
+    finished_hook.__name__ = finished_hook.__qualname__ = getattr(hook, "__name__", "hook")
+    return finished_hook

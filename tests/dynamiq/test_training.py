@@ -20,7 +20,12 @@ DDP_CASES = {
     "ddp": {"strategy": "ddp"},
     "ddp_plugin": {"strategy": "ddp", "plugin": {"bits": 5.0, "min_numel": 1024}},
     "ddp_dynamiq": {"strategy": "ddp_dynamiq", "strategy_kwargs": {"min_numel": 1024, "process_group_backend": "gloo"}},
-    "powersgd": {"strategy": "ddp_dynamiq", "strategy_kwargs": {"process_group_backend": "gloo"}, "powersgd": True},
+    # several buckets: PowerSGD on gloo needs each bucket finished before the next (DynamiQDDPStrategy does it)
+    "powersgd": {
+        "strategy": "ddp_dynamiq",
+        "strategy_kwargs": {"process_group_backend": "gloo", "bucket_cap_mb": 0.1},
+        "powersgd": True,
+    },
     "fsdp2_plugin": {
         "strategy": "fsdp2",
         "strategy_kwargs": {"shard_size": 4},

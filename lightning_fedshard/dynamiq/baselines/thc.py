@@ -1,9 +1,9 @@
 """THC (Tensor Homomorphic Compression, Li et al., NSDI'24), uniform variant: integer partial sums.
 
 ``prepare`` rotates every chunk with a randomized Hadamard transform (RHT) in blocks of 1024, agrees a
-range ``T`` with one all-reduce-MAX of the per-rank max ``|y|`` (this baseline uses the per-tensor max
-magnitude rather than THC's ``Φ⁻¹(1-p)·max_norm/√d`` clamp, so nothing is ever clipped), and
-stochastically rounds ``y`` to one of ``q = 2^b`` levels ``-T + z·Δ`` (``Δ = 2T/(q-1)``), giving the
+range with one all-reduce-MAX of the per-rank norm ``‖y‖``, clamps at THC's ``T = Φ⁻¹(1-p)·max‖y‖/√d``
+(after the rotation coordinates are close to ``N(0, ‖y‖²/d)``, so only a fraction ``p = 1e-4`` is
+clipped), and stochastically rounds ``y`` to one of ``q = 2^b`` levels ``-T + z·Δ`` (``Δ = 2T/(q-1)``), giving the
 integer index ``z ∈ [0, q-1]`` (as fp32). Indices add exactly, so hops never re-quantize: a message
 holding the sum of ``h`` ranks' indices is packed with ``ceil(log2((q-1)·h + 1))`` bits per
 coordinate. ``finish`` turns the integer total ``S`` into ``S·Δ - P·T`` and applies the inverse RHT.
@@ -17,6 +17,7 @@ they use the same device type.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ __all__ = ["THCCodec", "hadamard_transform", "inverse_rht", "rht"]
 
 #: Size of the Hadamard blocks (THC's default ``times=10``).
 RHT_BLOCK = 1024
+#: THC's per-coordinate overflow probability: the range is its Gaussian quantile times the rotated scale.
+OVERFLOW_PROBABILITY = 1e-4
+_RANGE_QUANTILE = NormalDist().inv_cdf(1 - OVERFLOW_PROBABILITY)
 #: Widest integer a pack carries; wider sums are split into a low and a high part.
 _MAX_PACK_WIDTH = 16
 #: Integer sums must stay exact in fp32.
@@ -145,10 +149,10 @@ class THCCodec(Codec):
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(group) if distributed else 0
         y, signs = self._rotate(chunks, call)
-        top = (y.abs().amax() if y.numel() else y.new_zeros(())).reshape(1).clone()
+        norm = y.norm().reshape(1).clone()
         if distributed:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        self._state = (float(top), chunks.shape[-1], transfer.world_size, signs)
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        self._state = (_clamp_range(float(norm), y.numel()), chunks.shape[-1], transfer.world_size, signs)
         # the scale all-reduce is a ring all-reduce of one fp32: 2·4·(P-1)/P bytes per rank
         world = transfer.world_size
         self.side_bytes = 8.0 * (world - 1) / world if distributed else 0.0
@@ -156,7 +160,7 @@ class THCCodec(Codec):
 
     def prepare_simulated(self, all_ranks_chunks: list[Tensor], transfer: Transfer) -> list[Tensor]:
         """``prepare`` for every rank at once, in one process: ``all_ranks_chunks[i]`` is rank ``i``'s
-        ``[P, n]`` chunks. Uses the global max and rank ``i``'s rounding seed, so a single-process ring
+        ``[P, n]`` chunks. Uses the largest rank's norm and rank ``i``'s rounding seed, so a single-process ring
         simulation produces what the distributed run would (``side_bytes`` included)."""
         world = transfer.world_size
         if len(all_ranks_chunks) != world:
@@ -165,8 +169,8 @@ class THCCodec(Codec):
             check_finite(chunks, self.name)
         call = self._next_call()
         rotated = [self._rotate(chunks, call) for chunks in all_ranks_chunks]
-        top = max((float(y.abs().amax()) for y, _ in rotated if y.numel()), default=0.0)
-        self._state = (top, all_ranks_chunks[0].shape[-1], world, rotated[0][1])
+        norm = max(float(y.norm()) for y, _ in rotated)
+        self._state = (_clamp_range(norm, rotated[0][0].numel()), all_ranks_chunks[0].shape[-1], world, rotated[0][1])
         self.side_bytes = 8.0 * (world - 1) / world
         return [self._quantize(y, call, rank) for rank, (y, _) in enumerate(rotated)]
 
@@ -209,6 +213,11 @@ class THCCodec(Codec):
         gen.manual_seed(_mix(self.seed, call, rank + 1))
         up = torch.rand(u.shape, generator=gen, device=y.device) < (u - low)
         return (low + up).clamp_(max=self.levels - 1)
+
+
+def _clamp_range(max_norm: float, numel: int) -> float:
+    """THC's range ``T``: the ``1 - p`` Gaussian quantile of a rotated coordinate of the largest rank's norm."""
+    return _RANGE_QUANTILE * max_norm / math.sqrt(numel) if numel else 0.0
 
 
 def _mix(seed: int, call: int, stream: int) -> int:
