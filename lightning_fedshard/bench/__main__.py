@@ -5,7 +5,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"recipes": "lightning_fedshard.bench.recipes"}
+BENCHMARKS = {
+    "recipes": "lightning_fedshard.bench.recipes",
+    "compression": "lightning_fedshard.bench.compression",
+}
 
 
 def main(argv: list[str] | None = None) -> None:

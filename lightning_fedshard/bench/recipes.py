@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lightning_fedshard.strategies.ledger import TIERS
 
-__all__ = ["RecipeResult", "demo", "format_table", "main", "read_metrics", "run_recipe"]
+__all__ = ["RecipeResult", "demo", "format_table", "main", "metrics_path", "read_metrics", "run_recipe", "summarize"]
 
 TINY = Path("recipes/tiny")
 
@@ -62,7 +62,10 @@ def summarize(name: str, rows: dict[int, dict[str, float]]) -> RecipeResult:
     first, last = timed[0], timed[-1]
     per_rank = (last["train/lengths"] - first["train/lengths"]) / (last["train/time"] - first["train/time"])
     steps = [r for r in rows.values() if f"comm/{TIERS[0]}_bytes" in r]
-    bytes_per_step = {tier: sum(r[f"comm/{tier}_bytes"] for r in steps) / len(steps) for tier in TIERS}
+    # strategies without a ledger (ddp_dynamiq) log no comm/* bytes: unknown, not zero
+    bytes_per_step = {
+        tier: sum(r[f"comm/{tier}_bytes"] for r in steps) / len(steps) if steps else math.nan for tier in TIERS
+    }
     curve = []
     for step, r in rows.items():
         if "val_loss" in r:
@@ -81,11 +84,18 @@ def summarize(name: str, rows: dict[int, dict[str, float]]) -> RecipeResult:
     return RecipeResult(name, world, per_rank * world, math.exp(curve[-1]["val_loss"]), bytes_per_step, curve)
 
 
-def run_recipe(config: Path, out_dir: Path, overrides: list[str]) -> RecipeResult:
-    """``fedshard fit --config config`` with a CSV logger under ``out_dir``; fails with the run's log tail."""
+def metrics_path(out_dir: Path, name: str) -> Path:
+    """Where :func:`run_recipe` leaves the CSV metrics of the run called ``name``."""
+    return out_dir / name / "csv" / "version_0" / "metrics.csv"
+
+
+def run_recipe(config: Path, out_dir: Path, overrides: list[str], name: str | None = None) -> RecipeResult:
+    """``fedshard fit --config config`` with a CSV logger under ``out_dir``; fails with the run's log tail.
+    ``name`` (default: the recipe's file name) keeps several runs of one recipe apart."""
     if not config.is_file():
         raise FileNotFoundError(f"No recipe at {str(config)!r} (run from the repository root, or pass --configs).")
-    save_dir = out_dir / config.stem
+    name = name or config.stem
+    save_dir = out_dir / name
     command = [
         sys.executable, "-m", "lightning_fedshard.cli", "fit", "--config", str(config),
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
@@ -96,12 +106,12 @@ def run_recipe(config: Path, out_dir: Path, overrides: list[str]) -> RecipeResul
         "--trainer.enable_checkpointing=false",  # a comparison keeps no checkpoints
         *overrides,
     ]  # fmt: skip
-    log = out_dir / f"{config.stem}.log"
+    log = out_dir / f"{name}.log"
     with log.open("w") as f:
         code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise RuntimeError(f"{config} failed (exit {code}); last lines of {log}:\n{log.read_text()[-4000:]}")
-    return summarize(config.stem, read_metrics(save_dir / "csv" / "version_0" / "metrics.csv"))
+    return summarize(name, read_metrics(metrics_path(out_dir, name)))
 
 
 def format_table(results: list[RecipeResult]) -> str:
