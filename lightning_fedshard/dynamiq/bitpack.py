@@ -1,4 +1,5 @@
-"""Little-endian bit packing of unsigned integer codes of a fixed width (1–16 bits)."""
+"""Wire-level byte handling: little-endian bit packing of unsigned integer codes of a fixed width (1–16 bits),
+and raw bytes of float tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["pack_bits", "pack_bits_fast", "packed_bytes", "unpack_bits", "unpack_bits_fast"]
+__all__ = [
+    "as_bytes",
+    "pack_bits",
+    "pack_bits_fast",
+    "packed_bytes",
+    "unpack_bits",
+    "unpack_bits_fast",
+    "view_bytes_as",
+]
 
 
 def packed_bytes(count: int, width: int) -> int:
@@ -94,3 +103,22 @@ def unpack_bits_fast(packed: Tensor, width: int, count: int) -> Tensor:
 def _check_width(width: int) -> None:
     if not 1 <= width <= 16:
         raise ValueError(f"Bit width must be in [1, 16], got {width}.")
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """The raw bytes of ``t`` (native byte order) as a 1-D uint8 tensor."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def view_bytes_as(data: Tensor, dtype: torch.dtype) -> Tensor:
+    """Reinterprets a 1-D uint8 tensor as ``dtype``.
+
+    ``Tensor.view(dtype)`` needs the storage offset to be a multiple of the item size; a slice of a
+    message (e.g. the payload after a bitmap) may not be, and then it is copied first."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if data.numel() % itemsize:
+        raise ValueError(f"{data.numel()} bytes are not a whole number of {dtype} values.")
+    data = data.reshape(-1)
+    if not data.is_contiguous() or (data.storage_offset() % itemsize):
+        data = data.clone()
+    return data.view(dtype)

@@ -66,6 +66,8 @@ class Codec:
     fixed_size: ClassVar[bool] = True
     #: True when ``decode(encode(x)) == x`` for every finite fp32 ``x``.
     lossless: ClassVar[bool] = False
+    #: Bytes this rank sent outside the messages in the last ``prepare`` (THC's range agreement).
+    side_bytes: float = 0.0
 
     def __init__(self, bits: float | None = None) -> None:
         self.bits = bits

@@ -44,13 +44,10 @@ def plan_transfer(topology: str, world_size: int, chunk_numel: int, numel: int, 
     p = world_size
     if topology == "ring":
         messages = [Message(chunk_numel, hop) for hop in range(1, p)]
-        if all_gather:
-            messages += [Message(chunk_numel, p)] * (p - 1)
-    else:
-        steps = p.bit_length() - 1
-        messages = [Message(chunk_numel, 1 << k) for k in range(steps) for _ in range(p >> (k + 1))]
-        if all_gather:
-            messages += [Message(chunk_numel, p)] * (p - 1)
+    else:  # step k of recursive halving sends p / 2^(k+1) chunks holding 2^k summands each
+        messages = [Message(chunk_numel, 1 << k) for k in range(p.bit_length() - 1) for _ in range(p >> (k + 1))]
+    if all_gather:  # both topologies forward the P-1 finished chunks this rank does not own
+        messages += [Message(chunk_numel, p)] * (p - 1)
     fraction = (2 if all_gather else 1) * (p - 1) / p
     return Transfer(world_size=p, messages=tuple(messages), reference_coords=fraction * numel)
 
@@ -144,7 +141,7 @@ def simulate_all_reduce(
     domains = codec.prepare_simulated(chunks, transfer)
     mailboxes = {(src, dst): queue.SimpleQueue() for src in range(world_size) for dst in range(world_size)}
 
-    def run(rank: int) -> Tensor:
+    def run(rank: int) -> tuple[Tensor, float]:
         def p2p(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
             mailboxes[rank, dst].put(send.clone())
             recv.copy_(mailboxes[src, rank].get(timeout=600))
@@ -156,7 +153,7 @@ def simulate_all_reduce(
     with ThreadPoolExecutor(max_workers=world_size) as pool:
         results = list(pool.map(run, range(world_size)))
     summed = codec.finish(results[0][0]).reshape(-1)[: inputs[0].numel()]
-    wire = results[0][1] + getattr(codec, "side_bytes", 0.0)
+    wire = results[0][1] + codec.side_bytes
     return summed.view_as(inputs[0]), 8 * wire / transfer.reference_coords
 
 
@@ -302,8 +299,7 @@ def _squared_distance(tensor: Tensor, reference: Tensor) -> float:
 
 def _record(stats: CompressionStats | None, ring: _Ring, numel: int, transfer: Transfer) -> None:
     if stats is not None:
-        side = getattr(ring.codec, "side_bytes", 0.0)
-        stats.record(numel, ring.wire_bytes + side, transfer.reference_coords, compressed=True)
+        stats.record(numel, ring.wire_bytes + ring.codec.side_bytes, transfer.reference_coords, compressed=True)
 
 
 def _record_plain(stats: CompressionStats | None, tensor: Tensor, world_size: int, factor: int) -> None:

@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fedshard.dynamiq.codec import Codec
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
-__all__ = ["DynamiQHookState", "dynamiq_hook", "register_dynamiq_hook"]
+__all__ = ["DynamiQHookState", "dynamiq_hook"]
 
 
 @dataclass
@@ -50,7 +49,3 @@ def dynamiq_hook(state: DynamiQHookState, bucket: dist.GradBucket) -> torch.futu
     future.set_result(buffer)
     return future
 
-
-def register_dynamiq_hook(model: DistributedDataParallel, state: DynamiQHookState) -> None:
-    """Registers the hook on a DDP model (before its first backward, as DDP requires)."""
-    model.register_comm_hook(state, dynamiq_hook)

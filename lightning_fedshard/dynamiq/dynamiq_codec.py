@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_fedshard.dynamiq.bitpack import pack_bits, unpack_bits
+from lightning_fedshard.dynamiq.bitpack import as_bytes, pack_bits, unpack_bits, view_bytes_as
 from lightning_fedshard.dynamiq.codec import Codec, Transfer, check_finite, register_codec
 
 __all__ = ["GROUP", "SUPER_GROUP", "WIDTHS", "DynamiQCodec", "allocate_widths", "dither", "log2_eighths", "scale_table"]
@@ -108,9 +108,10 @@ def message_fields(group_max: Tensor, budget: int, table: Tensor) -> tuple[Tenso
     return sg_scale, log_scales, widths
 
 
-def pack_widths(widths: Tensor) -> Tensor:
-    """The message field of 3-bit width codes (indices into ``WIDTHS``)."""
-    return pack_bits(torch.searchsorted(torch.tensor(WIDTHS, device=widths.device), widths), 3)
+def message_header(sg_scale: Tensor, log_scales: Tensor, widths: Tensor) -> Tensor:
+    """The fields before the payload: SG scales, group log-scales and 3-bit width codes (indices into ``WIDTHS``)."""
+    width_codes = torch.searchsorted(torch.tensor(WIDTHS, device=widths.device), widths)
+    return torch.cat([as_bytes(sg_scale), log_scales.to(torch.uint8), pack_bits(width_codes, 3)])
 
 
 def log2_eighths(x: Tensor) -> Tensor:
@@ -254,14 +255,8 @@ class DynamiQCodec(Codec):
         offset = self._dither(x.numel(), summands, x.device).view_as(groups) if self.rounding == "stochastic" else 0.5
         q = torch.floor(groups * inverse_step + offset)
         q = torch.minimum(torch.maximum(q, -levels), levels)
-        return torch.cat(
-            [
-                sg_scale.contiguous().view(torch.uint8),
-                log_scales.to(torch.uint8),
-                pack_widths(widths),
-                _pack_payload((q + levels).to(torch.int32), widths, 4 * budget),
-            ]
-        )
+        payload = _pack_payload((q + levels).to(torch.int32), widths, 4 * budget)
+        return torch.cat([message_header(sg_scale, log_scales, widths), payload])
 
     def accumulate(self, msg: Tensor, local: Tensor, summands: int) -> Tensor:
         """On CUDA the fused Triton DAR (bit-identical to this reference); elsewhere decode + add + encode."""
@@ -291,7 +286,7 @@ def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor,
             f"DynamiQ message of {msg.numel()} bytes; {numel} coordinates at {budget} width units need {expected}."
         )
     ends = (4 * sgs, 4 * sgs + groups, 4 * sgs + groups + 3 * groups // 8)
-    sg_scale = msg[: ends[0]].clone().view(torch.float32)
+    sg_scale = view_bytes_as(msg[: ends[0]], torch.float32)
     log_scales = msg[ends[0] : ends[1]].to(torch.int64)
     width_codes = unpack_bits(msg[ends[1] : ends[2]], 3, groups)
     widths = torch.tensor(WIDTHS, device=msg.device)[width_codes.long()]

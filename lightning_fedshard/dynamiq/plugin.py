@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL
-from lightning_fedshard.dynamiq.ddp_hook import DynamiQHookState, register_dynamiq_hook
+from lightning_fedshard.dynamiq.ddp_hook import DynamiQHookState, dynamiq_hook
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
@@ -81,16 +81,15 @@ class DynamiQ(Precision):
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
         if isinstance(model, DistributedDataParallel) and self.compresses("gradients"):
             self.hook_state = DynamiQHookState(self.compression, stats=self.stats)
-            register_dynamiq_hook(model, self.hook_state)
+            model.register_comm_hook(self.hook_state, dynamiq_hook)
         return self.inner.connect(model, optimizers, lr_schedulers)
 
     def optimizer_step(
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         output = self.inner.optimizer_step(optimizer, model, closure, **kwargs)
-        if self.stats.calls:
-            model.log_dict(self.stats.as_metrics("dynamiq/gradients"), on_step=True, on_epoch=False)
-            self.stats.reset()
+        if metrics := self.stats.take_metrics("dynamiq/gradients"):
+            model.log_dict(metrics, on_step=True, on_epoch=False)
         return output
 
     # ---- everything else is the composed precision's business

@@ -20,6 +20,7 @@ class CompressionStats:
         stats = CompressionStats()
         all_reduce(grad, codec="dynamiq", bits=5.0, stats=stats, debug=True)
         print(stats.bits_per_coord, stats.vnmse)
+        module.log_dict(stats.take_metrics("dynamiq/gradients"))  # once per step
     """
 
     calls: int = 0
@@ -50,11 +51,13 @@ class CompressionStats:
         self.squared_error += squared_error
         self.squared_norm += squared_norm
 
-    def as_metrics(self, prefix: str) -> dict[str, float]:
+    def take_metrics(self, prefix: str) -> dict[str, float]:
+        """The totals since the last call as ``{prefix}/wire_bytes``, ``{prefix}/bits_per_coord`` (and
+        ``{prefix}/vnmse``), then starts over; empty when no collective ran, so steps without one log nothing."""
+        if not self.calls:
+            return {}
         metrics = {f"{prefix}/wire_bytes": self.wire_bytes, f"{prefix}/bits_per_coord": self.bits_per_coord}
         if self.vnmse is not None:
             metrics[f"{prefix}/vnmse"] = self.vnmse
-        return metrics
-
-    def reset(self) -> None:
         self.__init__()
+        return metrics

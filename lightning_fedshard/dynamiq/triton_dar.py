@@ -9,7 +9,7 @@ short torch step that works on one float per group (n/32 values, not n):
 1. ``_decode_accumulate`` (one program per ``BLOCK_GROUPS`` groups): unpacks each coordinate's
    ``w``-bit code from the payload bytes, dequantizes it, adds the local chunk, writes the fp32 sum
    and each group's max |sum|.
-2. torch, reusing the reference functions (``message_fields``, ``payload_offsets``, ``pack_widths``):
+2. torch, reusing the reference functions (``message_fields``, ``payload_offsets``, ``message_header``):
    SG scales, group log-scales, the water-filled widths, the payload offsets and the width codes.
 3. ``_quantize_pack`` (one program per ``BLOCK_GROUPS`` groups): re-reads the sum, quantizes it and
    writes each group's ``4·w`` payload bytes at its offset. Groups own disjoint byte ranges, so the
@@ -46,7 +46,7 @@ from lightning_fedshard.dynamiq.dynamiq_codec import (
     DynamiQCodec,
     dither_key,
     message_fields,
-    pack_widths,
+    message_header,
     payload_offsets,
     split_message,
 )
@@ -238,13 +238,11 @@ def _encode_with_max(codec: DynamiQCodec, x: Tensor, group_max: Tensor, summands
     table = codec._table(x.device)
     budget = codec.payload_bits(summands) * sgs
     sg_scale, log_scales, widths = message_fields(group_max, budget, table)
-    # The reference's field order, written in place instead of concatenated. Zeros because the
-    # water-filling may leave part of the budget unused, and the reference zero-pads the payload.
-    side = 4 * sgs + groups + 3 * groups // 8
-    msg = torch.zeros(side + 4 * budget, dtype=torch.uint8, device=x.device)
-    msg[: 4 * sgs] = sg_scale.view(torch.uint8)
-    msg[4 * sgs : 4 * sgs + groups] = log_scales.to(torch.uint8)
-    msg[4 * sgs + groups : side] = pack_widths(widths)
+    # The kernel writes the payload in place. Zeros because the water-filling may leave part of the
+    # budget unused, and the reference zero-pads the payload.
+    header = message_header(sg_scale, log_scales, widths)
+    side = header.numel()
+    msg = torch.cat([header, header.new_zeros(4 * budget)])
     seed, antithetic = codec._dither_params(summands)
     _quantize_pack[(triton.cdiv(groups, BLOCK_GROUPS),)](
         x,

@@ -67,12 +67,10 @@ class DynamiQDDPStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        stats = self.hook_state.stats if self.hook_state is not None else None
-        if stats is not None and stats.calls:
+        if self.hook_state is not None and (metrics := self.hook_state.stats.take_metrics("dynamiq/gradients")):
             module = self.lightning_module
             assert isinstance(module, pl.LightningModule)
-            module.log_dict(stats.as_metrics("dynamiq/gradients"), on_step=True, on_epoch=False)
-            stats.reset()
+            module.log_dict(metrics, on_step=True, on_epoch=False)
         return output
 
 

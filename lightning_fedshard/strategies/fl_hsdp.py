@@ -325,9 +325,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         step_bytes = self.ledger.close_step()
         metrics = {f"comm/{tier}_bytes": step_bytes[tier] for tier in TIERS}
         metrics["fed/syncs"] = float(self.syncs)
-        if self._averager is not None and self._averager.stats.calls:
-            metrics.update(self._averager.stats.as_metrics("dynamiq/fed"))
-            self._averager.stats.reset()
+        if self._averager is not None:
+            metrics.update(self._averager.stats.take_metrics("dynamiq/fed"))
         assert self.lightning_module is not None
         self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 

@@ -15,8 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_fedshard.dynamiq.baselines.floats import as_bytes, view_bytes_as
-from lightning_fedshard.dynamiq.bitpack import pack_bits_fast, packed_bytes, unpack_bits_fast
+from lightning_fedshard.dynamiq.bitpack import as_bytes, pack_bits_fast, packed_bytes, unpack_bits_fast, view_bytes_as
 from lightning_fedshard.dynamiq.codec import Codec, check_finite, register_codec
 
 __all__ = ["BlockIntCodec", "Int4Codec", "Int8Codec"]

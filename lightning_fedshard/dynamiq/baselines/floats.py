@@ -11,28 +11,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_fedshard.dynamiq.bitpack import as_bytes, view_bytes_as
 from lightning_fedshard.dynamiq.codec import Codec, check_finite, register_codec
 
-__all__ = ["BF16Codec", "FP16Codec", "FloatCodec", "NoneCodec", "as_bytes", "view_bytes_as"]
-
-
-def as_bytes(t: Tensor) -> Tensor:
-    """The raw bytes of ``t`` (native byte order) as a 1-D uint8 tensor."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def view_bytes_as(data: Tensor, dtype: torch.dtype) -> Tensor:
-    """Reinterprets a 1-D uint8 tensor as ``dtype``.
-
-    ``Tensor.view(dtype)`` needs the storage offset to be a multiple of the item size; a slice of a
-    message (e.g. the payload after a bitmap) may not be, and then it is copied first."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if data.numel() % itemsize:
-        raise ValueError(f"{data.numel()} bytes are not a whole number of {dtype} values.")
-    data = data.reshape(-1)
-    if not data.is_contiguous() or (data.storage_offset() % itemsize):
-        data = data.clone()
-    return data.view(dtype)
+__all__ = ["BF16Codec", "FP16Codec", "FloatCodec", "NoneCodec"]
 
 
 class FloatCodec(Codec):

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedshard.dynamiq.baselines.floats import as_bytes, view_bytes_as
-from lightning_fedshard.dynamiq.bitpack import pack_bits_fast, packed_bytes, unpack_bits_fast
+from lightning_fedshard.dynamiq.bitpack import as_bytes, pack_bits_fast, packed_bytes, unpack_bits_fast, view_bytes_as
 from lightning_fedshard.dynamiq.codec import Codec, check_finite, register_codec
 
 __all__ = ["OmniReduceCodec"]
