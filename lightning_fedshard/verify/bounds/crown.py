@@ -1,0 +1,158 @@
+"""CROWN: linear bounds carried backwards through the graph, concretised over the input box.
+
+One pass bounds ``Σ C·v`` from below for a node ``v`` and spec rows ``C [S, B, *v.shape]``; upper bounds are
+lower bounds of ``-C``. Intermediate (pre-activation) bounds come from the same pass started at each
+pre-activation node, restricted to its unstable neurons, in topological order so that every pass only needs
+bounds that are already known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.ops import Interval, ReLU, contract
+
+__all__ = ["Backward", "backward_bound", "intermediate_bounds", "selection_rows", "unstable_neurons"]
+
+
+@dataclass
+class Backward:
+    """What one backward pass produced.
+
+    ``lower [S, B]`` bounds ``Σ C·v`` from below; ``input_A [S, B, *input shape]`` are its coefficients on the
+    input (``None`` if ``v`` does not depend on it), from which the minimising corner of the box follows;
+    ``kept`` holds the coefficients that arrived at the nodes named in ``keep`` (for branching heuristics).
+    """
+
+    lower: Tensor
+    input_A: Tensor | None
+    kept: dict[str, Tensor] = field(default_factory=dict)
+
+    def minimiser(self, box: Interval) -> Tensor:
+        """The box corner ``[S, B, *input shape]`` that minimises the linear bound of each row."""
+        if self.input_A is None:
+            return box.center.expand(self.lower.shape[0], *box.center.shape)
+        return torch.where(self.input_A >= 0, box.lower, box.upper)
+
+
+def backward_bound(
+    graph: BoundGraph,
+    start: str,
+    C: Tensor,
+    box: Interval,
+    bounds: Mapping[str, Interval],
+    alphas: Mapping[str, Tensor] | None = None,
+    betas: Mapping[str, Tensor] | None = None,
+    keep: Collection[str] = (),
+) -> Backward:
+    """Lower bound of ``Σ C·start`` over ``box``.
+
+    ``bounds`` must hold the pre-activation bounds of every ReLU the pass crosses. ``alphas`` maps ReLU node
+    names to lower slopes ``[S, B, *shape]`` (else CROWN's adaptive slopes); ``betas`` maps pre-activation
+    names to β-CROWN's signed Lagrangian terms ``β·s`` (``s = +1`` for an active split ``z ≥ 0``, ``-1`` for an
+    inactive one), subtracted from the coefficients arriving there.
+    """
+    pending = {start: C}
+    bias: Tensor | int = 0
+    kept: dict[str, Tensor] = {}
+    input_A = None
+    for node in reversed(graph.ancestors(start)):
+        A = pending.pop(node.name, None)
+        if A is None:
+            continue
+        if betas is not None and node.name in betas:
+            A = A - betas[node.name]
+        if node.name in keep:
+            kept[node.name] = A
+        if node.op is None:
+            input_A = A
+            continue
+        needs_bounds = isinstance(node.op, ReLU)
+        inputs = [bounds[name] for name in node.inputs] if needs_bounds else [None] * len(node.inputs)
+        alpha = alphas.get(node.name) if alphas is not None else None
+        A_inputs, term = node.op.backward(A, inputs, alpha)
+        if term is not None:
+            bias = bias + term
+        for name, A_in in zip(node.inputs, A_inputs, strict=True):
+            if A_in is not None:
+                pending[name] = pending[name] + A_in if name in pending else A_in
+    lower = torch.zeros(C.shape[:2], dtype=C.dtype, device=C.device) + bias
+    if input_A is not None:
+        lower = lower + contract(input_A, box.center) - contract(input_A.abs(), box.radius)
+    return Backward(lower, input_A, kept)
+
+
+def unstable_neurons(pre: Interval) -> Tensor:
+    """Flat indices of the neurons that are unstable (``l < 0 < u``) for at least one batch element."""
+    return ReLU.unstable(pre).flatten(1).any(0).nonzero().flatten()
+
+
+def selection_rows(index: Tensor, batch: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Spec rows ``[2U, B, *shape]`` picking ``+v_i`` then ``-v_i`` for each flat index ``i``: one pass then
+    gives lower bounds (first U rows) and negated upper bounds (last U rows)."""
+    U, size = index.numel(), int(torch.Size(shape).numel())
+    rows = torch.zeros(2 * U, size, dtype=dtype)
+    positions = torch.arange(U)
+    rows[positions, index] = 1
+    rows[positions + U, index] = -1
+    return rows.unsqueeze(1).expand(2 * U, batch, size).reshape(2 * U, batch, *shape)
+
+
+def _refine(current: Interval, index: Tensor, lower: Tensor, upper: Tensor, intersect: bool) -> Interval:
+    """``current`` with the neurons at flat ``index`` replaced by (or intersected with) ``[lower, upper]``
+    (each ``[B, U]``)."""
+    shape = current.lower.shape
+    lo, hi = current.lower.flatten(1).clone(), current.upper.flatten(1).clone()
+    lo[:, index] = torch.maximum(lo[:, index], lower) if intersect else lower
+    hi[:, index] = torch.minimum(hi[:, index], upper) if intersect else upper
+    return Interval(lo.view(shape), hi.view(shape))
+
+
+def intermediate_bounds(
+    graph: BoundGraph,
+    box: Interval,
+    alphas: Mapping[str, Mapping[str, Tensor]] | None = None,
+    reference: Mapping[str, Interval] | None = None,
+    rows: Mapping[str, Tensor] | None = None,
+    crown: bool = True,
+    intersect_ibp: bool = True,
+    used_rows: dict[str, Tensor] | None = None,
+) -> dict[str, Interval]:
+    """Bounds of every node up to the output: interval propagation, with each pre-activation node tightened by
+    CROWN on its unstable neurons (``crown=False``: IBP alone).
+
+    ``alphas[start][relu]`` are α-CROWN's slopes for the pass started at pre-activation ``start``;
+    ``reference`` bounds (known valid, e.g. from a previous pass) are intersected in; ``rows[start]`` fixes the
+    neurons refined by CROWN (α-CROWN keeps them fixed so its slope tensors keep their shape), else they are
+    the unstable ones. With ``intersect_ibp=False`` CROWN's bounds replace the interval ones on those neurons,
+    as auto_LiRPA does (its reference numbers are reproduced that way); intersecting is never looser.
+    ``used_rows``, when given, receives the neurons refined at each pre-activation node.
+    """
+    pre_activations = set(graph.pre_activation.values())
+    bounds: dict[str, Interval] = {graph.input.name: box}
+    batch = box.lower.shape[0]
+    for node in graph.nodes[1:]:
+        interval = node.op.ibp(*(bounds[name] for name in node.inputs))
+        if node.name in pre_activations:
+            if reference is not None and node.name in reference:
+                ref = reference[node.name]
+                interval = Interval(torch.maximum(interval.lower, ref.lower), torch.minimum(interval.upper, ref.upper))
+            if crown and not graph.ibp_is_exact(node.name):
+                index = rows[node.name] if rows is not None and node.name in rows else unstable_neurons(interval)
+                if used_rows is not None:
+                    used_rows[node.name] = index
+                if index.numel():
+                    C = selection_rows(index, batch, node.shape, interval.lower.dtype)
+                    start_alphas = alphas.get(node.name) if alphas is not None else None
+                    lower = backward_bound(graph, node.name, C, box, bounds, start_alphas).lower
+                    U = index.numel()
+                    interval = _refine(interval, index, lower[:U].T, -lower[U:].T, intersect_ibp)
+        bounds[node.name] = interval
+        if node is graph.output:
+            break
+    return bounds

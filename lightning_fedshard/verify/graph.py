@@ -1,0 +1,125 @@
+"""The computation graph that bounds are propagated through: nodes in topological order, each one operator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.ops import BoundOp, ElementwiseAffine, Interval, LinearOp, ReLU, Reshape
+
+__all__ = ["BoundGraph", "Node"]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One value of the network: the output of ``op`` applied to the nodes named in ``inputs``.
+
+    ``shape`` excludes the batch dimension. The network input is the node with ``op=None``.
+    """
+
+    name: str
+    op: BoundOp | None
+    inputs: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+class BoundGraph:
+    """A feed-forward network as a list of :class:`Node` in topological order, starting with the input.
+
+    Constants live inside the ops; every node input is another node. Built by the ONNX loader, or by hand::
+
+        graph = BoundGraph([
+            Node("x", None, (), (784,)),
+            Node("fc1", Linear(W1, b1), ("x",), (256,)),
+            Node("relu1", ReLU(), ("fc1",), (256,)),
+            Node("fc2", Linear(W2, b2), ("relu1",), (10,)),
+        ])
+        y = graph(torch.rand(5, 784))
+    """
+
+    def __init__(self, nodes: list[Node], output: str | None = None) -> None:
+        if not nodes or nodes[0].op is not None:
+            raise ValueError("a BoundGraph starts with its input node (op=None)")
+        self.nodes = list(nodes)
+        self.by_name = {node.name: node for node in self.nodes}
+        if len(self.by_name) != len(self.nodes):
+            raise ValueError("node names must be unique")
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.op is None and node is not self.nodes[0]:
+                raise ValueError(f"node {node.name!r} has no op; only the first node is the input")
+            missing = [name for name in node.inputs if name not in seen]
+            if missing:
+                raise ValueError(f"node {node.name!r} reads {missing} before they are computed")
+            seen.add(node.name)
+        self.input = self.nodes[0]
+        self.output = self.by_name[output] if output is not None else self.nodes[-1]
+        self.relus = [node for node in self.nodes if isinstance(node.op, ReLU)]
+        #: The pre-activation node of each ReLU node: the bounds that branch-and-bound splits on.
+        self.pre_activation = {relu.name: relu.inputs[0] for relu in self.relus}
+        self._ancestors: dict[str, list[Node]] = {}
+        self._ibp_exact: dict[str, bool] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for node in self.nodes[1:]:
+            for value in vars(node.op).values():
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    return value.dtype
+        return torch.float32
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """Forward pass: ``x [B, *input shape]`` (or flat ``[B, input size]``) → ``[B, *output shape]``."""
+        values = {self.input.name: x.reshape(x.shape[0], *self.input.shape)}
+        for node in self.nodes[1:]:
+            values[node.name] = node.op.forward(*(values[name] for name in node.inputs))
+            if node is self.output:
+                break
+        return values[self.output.name]
+
+    def ibp(self, box: Interval) -> dict[str, Interval]:
+        """Interval bounds of every node up to the output for an input box ``[B, *input shape]``."""
+        bounds = {self.input.name: box}
+        for node in self.nodes[1:]:
+            bounds[node.name] = node.op.ibp(*(bounds[name] for name in node.inputs))
+            if node is self.output:
+                break
+        return bounds
+
+    def ancestors(self, name: str) -> list[Node]:
+        """The nodes ``name`` depends on, itself included, in topological order."""
+        if name not in self._ancestors:
+            needed = {name}
+            for node in reversed(self.nodes):
+                if node.name in needed:
+                    needed.update(node.inputs)
+            self._ancestors[name] = [node for node in self.nodes if node.name in needed]
+        return self._ancestors[name]
+
+    def ibp_is_exact(self, name: str) -> bool:
+        """Whether interval propagation gives the exact range of ``name`` over a box: its ancestors are one
+        chain with no ReLU and at most one op that mixes coordinates (element-wise maps send boxes to boxes)."""
+        if name not in self._ibp_exact:
+            chain = self.ancestors(name)[1:]
+            linear_chain = all(len(node.inputs) == 1 and isinstance(node.op, LinearOp) for node in chain)
+            mixing = sum(not isinstance(node.op, ElementwiseAffine | Reshape) for node in chain)
+            self._ibp_exact[name] = linear_chain and mixing <= 1
+        return self._ibp_exact[name]
+
+    def to(self, dtype: torch.dtype) -> BoundGraph:
+        """This graph with every op's constants in ``dtype``."""
+        for node in self.nodes[1:]:
+            node.op.to(dtype)
+        return self
+
+    def __repr__(self) -> str:
+        body = "\n".join(
+            f"  {node.name}: {node.op!r}({', '.join(node.inputs)}) -> {list(node.shape)}" for node in self.nodes[1:]
+        )
+        return f"BoundGraph(input {self.input.name} {list(self.input.shape)}\n{body}\n)"

@@ -1,0 +1,86 @@
+"""2-D convolution (ONNX Conv) with pads, strides, dilations and groups."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_fedshard.verify.ops.base import LinearOp
+
+__all__ = ["Conv2d"]
+
+
+class Conv2d(LinearOp):
+    """``y = conv2d(pad(x), W) + b`` on ``[B, C, H, W]`` inputs.
+
+    ``pads`` is ONNX's ``(top, left, bottom, right)``; asymmetric padding is applied explicitly so that the
+    transposed convolution (CROWN's backward step) can crop exactly what the forward added. ``in_shape`` (the
+    input's ``(C, H, W)``) fixes the transposed convolution's output padding.
+
+    Example::
+
+        op = Conv2d(weight, bias, in_shape=(3, 32, 32), stride=(1, 1), pads=(1, 1, 1, 1))
+        (A_in,), bias = op.backward(A, [None])   # A [S, B, C', H', W'] -> [S, B, 3, 32, 32]
+    """
+
+    onnx_types = ("Conv",)
+
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        in_shape: tuple[int, int, int],
+        stride: tuple[int, int] = (1, 1),
+        pads: tuple[int, int, int, int] = (0, 0, 0, 0),
+        dilation: tuple[int, int] = (1, 1),
+        groups: int = 1,
+    ) -> None:
+        if weight.dim() != 4:
+            raise ValueError(f"Conv2d weight must be 4-D [C_out, C_in/groups, kH, kW], got {tuple(weight.shape)}")
+        if in_shape[0] != weight.shape[1] * groups:
+            raise ValueError(
+                f"Conv2d input has {in_shape[0]} channels but the weight expects {weight.shape[1]} × {groups} groups"
+            )
+        self.weight, self.bias = weight, bias
+        self.in_shape, self.stride, self.pads, self.dilation, self.groups = in_shape, stride, pads, dilation, groups
+        top, left, bottom, right = pads
+        self._symmetric = top == bottom and left == right
+        padded = (in_shape[1] + top + bottom, in_shape[2] + left + right)
+        kernel = weight.shape[2:]
+        out = [(padded[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(2)]
+        if min(out) < 1:
+            raise ValueError(f"Conv2d kernel {tuple(kernel)} does not fit the padded input {padded}")
+        # Rows/columns of the padded input that no output reads (stride remainder) need output padding.
+        self._output_padding = tuple(
+            padded[i] - ((out[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1) for i in range(2)
+        )
+
+    def _conv(self, x: Tensor, weight: Tensor) -> Tensor:
+        top, left, bottom, right = self.pads
+        if self._symmetric:
+            return F.conv2d(x, weight, None, self.stride, (top, left), self.dilation, self.groups)
+        return F.conv2d(F.pad(x, (left, right, top, bottom)), weight, None, self.stride, 0, self.dilation, self.groups)
+
+    def linear(self, x: Tensor) -> Tensor:
+        return self._conv(x, self.weight)
+
+    def abs_linear(self, x: Tensor) -> Tensor:
+        return self._conv(x, self.weight.abs())
+
+    def transpose(self, A: Tensor) -> Tensor:
+        S, B = A.shape[:2]
+        top, left, bottom, right = self.pads
+        padding = (top, left) if self._symmetric else 0
+        out = F.conv_transpose2d(
+            A.reshape(S * B, *A.shape[2:]), self.weight, None, self.stride, padding, self._output_padding,
+            self.groups, self.dilation,
+        )
+        if not self._symmetric:
+            out = out[:, :, top : out.shape[2] - bottom, left : out.shape[3] - right]
+        return out.reshape(S, B, *self.in_shape)
+
+    def constant(self) -> Tensor | None:
+        return None if self.bias is None else self.bias.view(-1, 1, 1)
+
+    def __repr__(self) -> str:
+        return f"Conv2d({self.weight.shape[1] * self.groups}→{self.weight.shape[0]}, k={tuple(self.weight.shape[2:])})"

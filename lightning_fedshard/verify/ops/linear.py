@@ -1,0 +1,44 @@
+"""Fully connected layers (ONNX Gemm, and MatMul with a constant right-hand side)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lightning_fedshard.verify.ops.base import LinearOp
+
+__all__ = ["Linear"]
+
+
+class Linear(LinearOp):
+    """``y = x @ Wᵀ + b`` over the last dimension of ``x``; ``weight [out, in]``, ``bias [out]`` or ``None``.
+
+    Example::
+
+        op = Linear(torch.randn(10, 784), torch.zeros(10))
+        (A_in,), bias = op.backward(A, [None])   # A [S, B, 10] -> A_in [S, B, 784], bias [S, B]
+    """
+
+    onnx_types = ("Gemm", "MatMul")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"Linear weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+        if bias is not None and bias.shape != weight.shape[:1]:
+            raise ValueError(f"Linear bias shape {tuple(bias.shape)} does not match {weight.shape[0]} outputs")
+        self.weight = weight
+        self.bias = bias
+
+    def linear(self, x: Tensor) -> Tensor:
+        return x @ self.weight.T
+
+    def abs_linear(self, x: Tensor) -> Tensor:
+        return x @ self.weight.abs().T
+
+    def transpose(self, A: Tensor) -> Tensor:
+        return A @ self.weight
+
+    def constant(self) -> Tensor | None:
+        return self.bias
+
+    def __repr__(self) -> str:
+        return f"Linear({self.weight.shape[1]}→{self.weight.shape[0]})"

@@ -1,0 +1,56 @@
+"""Average pooling (ONNX AveragePool, and GlobalAveragePool)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_fedshard.verify.ops.base import LinearOp
+
+__all__ = ["AvgPool2d"]
+
+
+class AvgPool2d(LinearOp):
+    """2-D average pooling on ``[B, C, H, W]``; every coefficient is non-negative, so ``|L| = L``.
+
+    ``count_include_pad=False`` (ONNX's default) divides border windows by the number of real pixels; the
+    backward step is the exact transpose for either choice, taken by differentiating the (linear) pooling.
+
+    Example::
+
+        pool = AvgPool2d(in_shape=(8, 16, 16), kernel=(2, 2), stride=(2, 2))
+    """
+
+    onnx_types = ("AveragePool", "GlobalAveragePool")
+
+    def __init__(
+        self,
+        in_shape: tuple[int, int, int],
+        kernel: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int] = (0, 0),
+        count_include_pad: bool = False,
+        ceil_mode: bool = False,
+    ) -> None:
+        if any(2 * p > k for p, k in zip(padding, kernel, strict=True)):
+            raise ValueError(f"AveragePool padding {padding} is more than half the kernel {kernel}")
+        self.in_shape, self.kernel, self.stride, self.padding = tuple(in_shape), kernel, stride, padding
+        self.count_include_pad, self.ceil_mode = count_include_pad, ceil_mode
+
+    def linear(self, x: Tensor) -> Tensor:
+        return F.avg_pool2d(x, self.kernel, self.stride, self.padding, self.ceil_mode, self.count_include_pad)
+
+    abs_linear = linear
+
+    def transpose(self, A: Tensor) -> Tensor:
+        S, B = A.shape[:2]
+        with torch.enable_grad():
+            probe = torch.zeros(S * B, *self.in_shape, dtype=A.dtype, device=A.device, requires_grad=True)
+            (grad,) = torch.autograd.grad(
+                self.linear(probe), probe, A.reshape(S * B, *A.shape[2:]), create_graph=A.requires_grad
+            )
+        return grad.reshape(S, B, *self.in_shape)
+
+    def __repr__(self) -> str:
+        return f"AvgPool2d(k={self.kernel}, s={self.stride})"

@@ -1,0 +1,37 @@
+"""Verification specifications: VNN-LIB 1.0 properties and VNN-COMP counterexamples / result files."""
+
+from lightning_fedshard.verify.spec.counterexample import (
+    VERDICTS,
+    CheckResult,
+    Counterexample,
+    check_counterexample,
+    format_counterexample,
+    read_counterexample,
+    write_result,
+)
+from lightning_fedshard.verify.spec.vnnlib import (
+    Case,
+    Disjunct,
+    InputBox,
+    Property,
+    VnnlibError,
+    parse_vnnlib,
+    read_vnnlib,
+)
+
+__all__ = [
+    "VERDICTS",
+    "Case",
+    "CheckResult",
+    "Counterexample",
+    "Disjunct",
+    "InputBox",
+    "Property",
+    "VnnlibError",
+    "check_counterexample",
+    "format_counterexample",
+    "parse_vnnlib",
+    "read_counterexample",
+    "read_vnnlib",
+    "write_result",
+]
