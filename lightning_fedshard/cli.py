@@ -1,7 +1,7 @@
 """The ``fedshard`` command: LightningCLI for Llama 3.1 pre-training, plus ``demo`` and ``bench``.
 
 ``fedshard fit --config recipes/tiny/fl_hsdp.yaml`` trains; ``validate``, ``test`` and ``--print_config``
-work as in any LightningCLI. Strategies are set by registered name (``--trainer.strategy=fl_hsdp``) or
+work as in any LightningCLI; ``fedshard verify`` runs neural-network verification. Strategies are set by registered name (``--trainer.strategy=fl_hsdp``) or
 with all their arguments as ``class_path``/``init_args`` in YAML.
 """
 
@@ -20,6 +20,7 @@ __all__ = ["FedShardCLI", "main"]
 EXTRA_COMMANDS = """Other commands:
   fedshard demo [ARGS]     tiny FL+HSDP recipe next to the tiny HSDP baseline (see `fedshard demo --help`)
   fedshard bench NAME      a benchmark (`fedshard bench --help`)
+  fedshard verify ...      verify an ONNX network against a VNN-LIB property (`fedshard verify --help`)
 """
 
 
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_fedshard.bench.recipes import demo
 
         demo(args[1:])
+    elif command == "verify":
+        from lightning_fedshard.verify.cli import main as verify_main
+
+        sys.exit(verify_main(args[1:]))
     elif command == "bench":
         from lightning_fedshard.bench.__main__ import main as bench_main
 

@@ -1,1 +1,45 @@
-"""Neural-network verification: ONNX + VNN-LIB in, IBP / CROWN / α-CROWN / β-CROWN branch-and-bound, verdicts out."""
+"""Neural-network verification: ONNX + VNN-LIB in, IBP / CROWN / α-CROWN / β-CROWN branch-and-bound, verdicts out.
+
+Example::
+
+    from lightning_fedshard.verify import VerifyConfig, verify_files
+
+    result = verify_files("mnist-net_256x2.onnx", "prop_0_0.03.vnnlib", VerifyConfig(timeout=120))
+    result.verdict            # Verdict.UNSAT
+    result.root_margins       # lower bounds of every disjunct row
+"""
+
+from lightning_fedshard.verify.config import Method, Verdict, VerifyConfig
+from lightning_fedshard.verify.graph import BoundGraph, Node
+from lightning_fedshard.verify.instances import read_instances, run_instances
+from lightning_fedshard.verify.onnx_loader import OnnxLoadError, load_onnx
+from lightning_fedshard.verify.spec import (
+    Counterexample,
+    Property,
+    VnnlibError,
+    check_counterexample,
+    read_vnnlib,
+    write_result,
+)
+from lightning_fedshard.verify.verifier import VerificationResult, verify, verify_files
+
+__all__ = [
+    "BoundGraph",
+    "Counterexample",
+    "Method",
+    "Node",
+    "OnnxLoadError",
+    "Property",
+    "VerificationResult",
+    "Verdict",
+    "VerifyConfig",
+    "VnnlibError",
+    "check_counterexample",
+    "load_onnx",
+    "read_instances",
+    "read_vnnlib",
+    "run_instances",
+    "verify",
+    "verify_files",
+    "write_result",
+]

@@ -48,7 +48,7 @@ def alpha_crown(
     graph: BoundGraph,
     box: Interval,
     C: Tensor,
-    iterations: int = 20,
+    iterations: int = 40,
     lr: float = 0.1,
     lr_decay: float = 0.98,
     stop_above: Tensor | None = None,
@@ -88,26 +88,24 @@ def alpha_crown(
             # No intersection with interval or earlier bounds here: where those are tighter they would take
             # the gradient away from the slopes that could make CROWN tighter still.
             bounds = intermediate_bounds(graph, box, alphas, None, refined, intersect_ibp=False)
-            lower = backward_bound(graph, output, C, box, bounds, alphas[output]).lower
-            optimizer.zero_grad(set_to_none=True)
-            (-lower.sum()).backward()
-        with torch.no_grad():
-            improved = lower.detach() > best_lower
-            best_lower = torch.where(improved, lower.detach(), best_lower)
-            for relu, alpha in alphas[output].items():
-                mask = improved.view(*improved.shape, *([1] * (alpha.dim() - 2)))
-                best_alphas[relu] = torch.where(mask, alpha.detach(), best_alphas[relu])
-            for pre in best_bounds:
-                now, best = bounds[pre], best_bounds[pre]
+            for pre, best in best_bounds.items():
+                now = bounds[pre]
                 best_bounds[pre] = Interval(
                     torch.maximum(best.lower, now.lower.detach()), torch.minimum(best.upper, now.upper.detach())
                 )
+            lower = backward_bound(graph, output, C, box, bounds, alphas[output]).lower
+            # The same slopes over the tightest intermediate bounds known: the bound branch-and-bound starts from.
+            lower_best = backward_bound(graph, output, C, box, best_bounds, alphas[output]).lower
+            optimizer.zero_grad(set_to_none=True)
+            (-(lower.sum() + lower_best.sum())).backward()
+        with torch.no_grad():
+            improved = lower_best.detach() > best_lower
+            for relu, alpha in alphas[output].items():
+                mask = improved.view(*improved.shape, *([1] * (alpha.dim() - 2)))
+                best_alphas[relu] = torch.where(mask, alpha.detach(), best_alphas[relu])
+            best_lower = torch.maximum(best_lower, torch.maximum(lower.detach(), lower_best.detach()))
             optimizer.step()
             schedule.step()
             for alpha in parameters:
                 alpha.clamp_(0, 1)
-    # The best intermediate bounds of all iterations together are tighter than those of any single one.
-    with torch.no_grad():
-        lower = backward_bound(graph, output, C, box, best_bounds, best_alphas).lower
-    best_lower = torch.maximum(best_lower, lower)
     return AlphaResult(best_lower, best_bounds, best_alphas, done)

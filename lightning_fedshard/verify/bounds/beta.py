@@ -1,0 +1,82 @@
+"""β-CROWN: bounds of branch-and-bound domains, with the split assumptions enforced by Lagrange multipliers.
+
+A domain assumes ``s_j·z_j ≥ 0`` for its split neurons. For any ``β_j ≥ 0`` the term ``−β_j s_j z_j`` is
+non-positive on the domain, so adding it to the objective keeps a valid lower bound; in the backward pass it
+subtracts ``β·s`` from the coefficients arriving at the pre-activation node. β and the output pass's slopes α
+are optimised jointly by projected Adam, keeping the best bound of every (row, domain). Intermediate bounds
+stay those of the parent, clamped by the splits (sound, since a child's inputs are a subset of its parent's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.bab.domains import DomainBatch
+from lightning_fedshard.verify.bounds.crown import Backward, backward_bound
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.ops import Interval
+
+__all__ = ["beta_crown"]
+
+
+def _bound(graph: BoundGraph, box: Interval, C: Tensor, domains: DomainBatch, keep: Collection[str]) -> Backward:
+    betas = {pre: beta * domains.splits[pre] for pre, beta in domains.betas.items()}
+    return backward_bound(graph, graph.output.name, C, box, domains.bounds(), domains.alphas, betas, keep)
+
+
+def beta_crown(
+    graph: BoundGraph,
+    box: Interval,
+    C: Tensor,
+    domains: DomainBatch,
+    iterations: int = 20,
+    lr_alpha: float = 0.01,
+    lr_beta: float = 0.05,
+    stop_above: Tensor | None = None,
+    deadline: float | None = None,
+    keep: Collection[str] = (),
+) -> Backward:
+    """Lower bounds ``[S, N]`` of the spec rows ``C [S, N, *output shape]`` on every domain.
+
+    ``domains.alphas``/``domains.betas`` are updated in place to the best values found. The returned pass is
+    re-run with those values, so its ``kept`` coefficients (at the nodes in ``keep``) and ``input_A`` belong to
+    the returned bound. Optimisation stops early when every domain's rows exceed ``stop_above [S, N]``.
+    """
+    with torch.no_grad():
+        best = _bound(graph, box, C, domains, ()).lower
+    if iterations:
+        alphas = {k: v.clone().requires_grad_() for k, v in domains.alphas.items()}
+        betas = {k: v.clone().requires_grad_() for k, v in domains.betas.items()}
+        trial = DomainBatch(**{**vars(domains), "alphas": alphas, "betas": betas})
+        optimizer = torch.optim.Adam(
+            [{"params": list(alphas.values()), "lr": lr_alpha}, {"params": list(betas.values()), "lr": lr_beta}]
+        )
+        for _ in range(iterations):
+            if stop_above is not None and bool((best > stop_above).all()):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            with torch.enable_grad():
+                lower = _bound(graph, box, C, trial, ()).lower
+                optimizer.zero_grad(set_to_none=True)
+                (-lower.sum()).backward()
+            with torch.no_grad():
+                improved = lower.detach() > best
+                best = torch.where(improved, lower.detach(), best)
+                for store, current in ((domains.alphas, alphas), (domains.betas, betas)):
+                    for name, value in current.items():
+                        mask = improved.view(*improved.shape, *([1] * (value.dim() - 2)))
+                        store[name] = torch.where(mask, value.detach(), store[name])
+                optimizer.step()
+                for value in alphas.values():
+                    value.clamp_(0, 1)
+                for value in betas.values():
+                    value.clamp_(min=0)
+    with torch.no_grad():
+        final = _bound(graph, box, C, domains, keep)
+    final.lower = torch.maximum(final.lower, best)
+    return final

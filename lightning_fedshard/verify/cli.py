@@ -1,0 +1,101 @@
+"""``fedshard verify``: one instance (ONNX + VNN-LIB) or a whole VNN-COMP ``instances.csv``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lightning_fedshard.verify.config import Method, VerifyConfig
+from lightning_fedshard.verify.instances import (
+    model_forward,
+    read_expected,
+    read_instances,
+    run_instances,
+    summarise,
+    write_results,
+)
+from lightning_fedshard.verify.spec import check_counterexample, read_vnnlib, write_result
+from lightning_fedshard.verify.verifier import verify_files
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedshard verify",
+        description="Verify ONNX networks against VNN-LIB properties (IBP, CROWN, α-CROWN, β-CROWN BaB).",
+        epilog="examples:\n  fedshard verify net.onnx prop.vnnlib --timeout 120 --result out.txt --report r.json\n"
+        "  fedshard verify --instances mnist_fc/instances.csv --results results.csv",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("onnx", nargs="?", help="ONNX model (.onnx or .onnx.gz)")
+    parser.add_argument("vnnlib", nargs="?", help="VNN-LIB property (.vnnlib or .vnnlib.gz)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds (default 120; per instance from the CSV)")
+    parser.add_argument("--result", type=Path, help="write the VNN-COMP result file here")
+    parser.add_argument("--report", type=Path, help="write root bounds, deciding method, times and memory as JSON")
+    parser.add_argument("--instances", type=Path, help="a VNN-COMP instances.csv (onnx,vnnlib,timeout rows)")
+    parser.add_argument("--results", type=Path, help="with --instances: one CSV row per instance")
+    parser.add_argument(
+        "--expected", type=Path, help="with --instances: expected verdicts CSV (default: expected_verdicts.csv beside)"
+    )
+    parser.add_argument("--limit", type=int, help="with --instances: only the first N instances")
+    parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
+    parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
+    result = verify_files(args.onnx, args.vnnlib, config)
+    line = f"{result.verdict.value}  ({result.decided_by or 'undecided'}, {sum(result.times.values()):.2f} s)"
+    report = result.to_report()
+    if result.counterexample is not None:
+        prop = read_vnnlib(args.vnnlib)
+        check = check_counterexample(result.counterexample, prop, model_forward(args.onnx))
+        report["counterexample_check"] = check.reason
+        line += f"  counterexample check: {check.reason}"
+    print(line)
+    if args.result:
+        write_result(args.result, result.verdict.value, result.counterexample)
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
+    instances = read_instances(args.instances)
+    if args.limit is not None:
+        instances = instances[: args.limit]
+    if args.timeout is not None:
+        instances = [type(i)(i.onnx, i.vnnlib, args.timeout) for i in instances]
+    expected_path = args.expected or args.instances.parent / "expected_verdicts.csv"
+    expected = read_expected(expected_path) if expected_path.is_file() else {}
+    rows = []
+    for row in run_instances(instances, config, expected):
+        rows.append(row)
+        note = f"  [{row.error}]" if row.error else ("  WRONG" if row.wrong else "")
+        print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
+        if args.results:
+            write_results(args.results, rows)
+    print(summarise(rows))
+    return 1 if any(row.wrong for row in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fedshard verify``; returns the exit status (2 for bad input)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.instances is None and (args.onnx is None or args.vnnlib is None):
+        parser.error("give ONNX and VNNLIB, or --instances CSV")
+    if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):
+        parser.error("--instances runs a whole folder: do not also give ONNX/VNNLIB/--result/--report")
+    try:
+        config = VerifyConfig(
+            method=Method(args.method), timeout=args.timeout or 120.0, batch_size=args.batch_size, seed=args.seed
+        )
+        return _benchmark(args, config) if args.instances is not None else _single(args, config)
+    except (OSError, ValueError) as error:
+        print(f"fedshard verify: error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,173 @@
+"""VNN-COMP benchmark folders: read ``instances.csv``, run every instance, check and score the answers."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lightning_fedshard.verify.config import Verdict, VerifyConfig
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.onnx_loader import load_onnx
+from lightning_fedshard.verify.spec import check_counterexample, read_vnnlib
+from lightning_fedshard.verify.verifier import VerificationResult, verify
+
+__all__ = [
+    "Instance",
+    "InstanceResult",
+    "model_forward",
+    "read_instances",
+    "run_instances",
+    "summarise",
+    "write_results",
+]
+
+#: VNN-COMP 2022 scoring: a correct answer earns 10 points, a wrong one costs 150.
+CORRECT_POINTS, WRONG_PENALTY = 10, -150
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One row of ``instances.csv``: paths resolved against the CSV's folder, and the timeout in seconds."""
+
+    onnx: Path
+    vnnlib: Path
+    timeout: float
+
+
+@dataclass
+class InstanceResult:
+    """One result row: the verdict, wall time (load included), whether the counterexample replayed, the
+    expected verdict where known, and the points scored."""
+
+    onnx: str
+    vnnlib: str
+    verdict: str
+    time_s: float
+    decided_by: str = ""
+    counterexample_ok: str = ""
+    expected: str = ""
+    wrong: bool = False
+    score: int = 0
+    error: str = ""
+
+
+def read_instances(path: str | Path) -> list[Instance]:
+    """Rows ``onnx,vnnlib,timeout`` (no header), paths relative to the CSV's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no instances file {path}")
+    rows = []
+    with path.open(newline="") as f:
+        for line_no, row in enumerate(csv.reader(f), 1):
+            if not row or row[0].startswith("#"):
+                continue
+            if len(row) != 3:
+                raise ValueError(f"{path}:{line_no}: expected 'onnx,vnnlib,timeout', got {row}")
+            try:
+                timeout = float(row[2])
+            except ValueError:
+                raise ValueError(f"{path}:{line_no}: timeout {row[2]!r} is not a number") from None
+            rows.append(Instance(path.parent / row[0].strip(), path.parent / row[1].strip(), timeout))
+    return rows
+
+
+def read_expected(path: str | Path) -> dict[tuple[str, str], str]:
+    """``expected_verdicts.csv`` (header ``onnx,vnnlib,…,expected``) keyed by file names."""
+    with Path(path).open(newline="") as f:
+        return {(Path(r["onnx"]).name, Path(r["vnnlib"]).name): r["expected"] for r in csv.DictReader(f)}
+
+
+def model_forward(onnx_path: str | Path, graph: BoundGraph | None = None) -> Callable[[np.ndarray], np.ndarray]:
+    """Flat-input forward pass on the ONNX model for replaying counterexamples: onnxruntime where installed
+    (independent of our loader), else the loaded graph."""
+    try:
+        import onnxruntime
+    except ImportError:
+        graph = graph if graph is not None else load_onnx(onnx_path)
+
+        def run_graph(x: np.ndarray) -> np.ndarray:
+            with torch.no_grad():
+                return graph(torch.as_tensor(x, dtype=graph.dtype).view(1, -1)).double().numpy().ravel()
+
+        return run_graph
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    (inp,) = session.get_inputs()
+    shape = [1 if not isinstance(d, int) else d for d in inp.shape]
+
+    def run_session(x: np.ndarray) -> np.ndarray:
+        return session.run(None, {inp.name: np.asarray(x, dtype=np.float32).reshape(shape)})[0].astype(np.float64).ravel()
+
+    return run_session
+
+
+def _score(verdict: str, expected: str, counterexample_ok: str) -> tuple[bool, int]:
+    """(wrong, points): a ``sat`` must carry a counterexample that replays; an answer contradicting a known
+    verdict is wrong."""
+    if verdict not in ("sat", "unsat"):
+        return False, 0
+    wrong = (verdict == "sat" and counterexample_ok != "yes") or (expected in ("sat", "unsat") and verdict != expected)
+    return wrong, WRONG_PENALTY if wrong else CORRECT_POINTS
+
+
+def run_instance(instance: Instance, config: VerifyConfig, expected: str = "") -> tuple[InstanceResult, VerificationResult | None]:
+    """Verify one instance under its own timeout; a bad file becomes a row with its error, not an exception."""
+    start = time.monotonic()
+    row = InstanceResult(instance.onnx.name, instance.vnnlib.name, "error", 0.0, expected=expected)
+    result = None
+    try:
+        graph = load_onnx(instance.onnx)
+        prop = read_vnnlib(instance.vnnlib, graph.input.size, graph.output.size)
+        remaining = max(instance.timeout - (time.monotonic() - start), 1e-3)
+        result = verify(graph, prop, replace(config, timeout=remaining))
+        row.verdict, row.decided_by = result.verdict.value, result.decided_by or ""
+        if result.verdict is Verdict.SAT:
+            check = check_counterexample(result.counterexample, prop, model_forward(instance.onnx, graph))
+            row.counterexample_ok = "yes" if check.ok else f"no: {check.reason}"
+    except (OSError, ValueError) as error:
+        row.error = f"{type(error).__name__}: {error}"
+    row.time_s = round(time.monotonic() - start, 3)
+    row.wrong, row.score = _score(row.verdict, expected, row.counterexample_ok)
+    return row, result
+
+
+def run_instances(
+    instances: list[Instance], config: VerifyConfig, expected: dict[tuple[str, str], str] | None = None
+) -> Iterator[InstanceResult]:
+    """Run each instance in turn (yielding its row as soon as it is decided)."""
+    for instance in instances:
+        known = (expected or {}).get((instance.onnx.name, instance.vnnlib.name), "")
+        yield run_instance(instance, config, known)[0]
+
+
+def write_results(path: str | Path, rows: list[InstanceResult]) -> None:
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]) if rows else InstanceResult.__annotations__))
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+
+
+def summarise(rows: list[InstanceResult]) -> str:
+    """Per network: verified, falsified, unknown, timeouts, errors, wrong answers, median time; then the score."""
+    lines = [
+        f"{'network':<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
+        f"{'wrong':>5} {'median s':>8} {'score':>6}"
+    ]
+    groups: dict[str, list[InstanceResult]] = {}
+    for row in rows:
+        groups.setdefault(row.onnx, []).append(row)
+    for name, group in [*groups.items(), ("total", rows)]:
+        count = {v: sum(r.verdict == v for r in group) for v in ("unsat", "sat", "unknown", "timeout", "error")}
+        median = statistics.median(r.time_s for r in group) if group else 0.0
+        lines.append(
+            f"{name:<24} {len(group):>3} {count['unsat']:>8} {count['sat']:>9} {count['unknown']:>7} "
+            f"{count['timeout']:>7} {count['error']:>5} {sum(r.wrong for r in group):>5} {median:>8.2f} "
+            f"{sum(r.score for r in group):>6}"
+        )
+    return "\n".join(lines)

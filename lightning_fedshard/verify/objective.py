@@ -1,0 +1,69 @@
+"""The unsafe output set of one VNN-LIB case as spec rows: what every bound and every attack measures."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.ops import Interval
+from lightning_fedshard.verify.spec import Case
+
+__all__ = ["OutputSpec", "box_tensor"]
+
+
+def box_tensor(lower: np.ndarray, upper: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> Interval:
+    """The input box as ``[1, *shape]`` tensors in ``dtype``, rounded outwards so it contains the float64 box."""
+    lo = torch.from_numpy(np.asarray(lower, dtype=np.float64))
+    hi = torch.from_numpy(np.asarray(upper, dtype=np.float64))
+    lo_cast, hi_cast = lo.to(dtype), hi.to(dtype)
+    lo_cast = torch.where(lo_cast.double() > lo, torch.nextafter(lo_cast, torch.tensor(-np.inf, dtype=dtype)), lo_cast)
+    hi_cast = torch.where(hi_cast.double() < hi, torch.nextafter(hi_cast, torch.tensor(np.inf, dtype=dtype)), hi_cast)
+    return Interval(lo_cast.view(1, *shape), hi_cast.view(1, *shape))
+
+
+class OutputSpec:
+    """The disjunction of unsafe polytopes ``{y : M_d y ≤ b_d}`` of one case, stacked into rows.
+
+    A row's *margin* is ``(M y − b)_r``: a disjunct is ruled out where one of its rows has a positive margin,
+    and the property holds on a domain when every disjunct is ruled out, i.e. when
+    ``value = min_d max_{r ∈ d} margin_r > 0``. A point with ``value ≤ 0`` is a counterexample.
+
+    Example::
+
+        spec = OutputSpec.from_case(prop.cases[0], graph.output.shape, torch.float32)
+        C = spec.rows(batch=1)                  # [S, 1, *output shape] for backward_bound
+        value = spec.value(lower.T - spec.rhs)  # [B]
+    """
+
+    def __init__(self, matrix: Tensor, rhs: Tensor, disjunct: Tensor, output_shape: tuple[int, ...]) -> None:
+        self.matrix, self.rhs, self.disjunct = matrix, rhs, disjunct
+        self.output_shape = tuple(output_shape)
+        self.num_disjuncts = int(disjunct.max()) + 1 if disjunct.numel() else 0
+
+    @classmethod
+    def from_case(cls, case: Case, output_shape: tuple[int, ...], dtype: torch.dtype) -> OutputSpec:
+        matrix = torch.tensor(np.vstack([d.matrix for d in case.disjuncts]), dtype=dtype)
+        rhs = torch.tensor(np.concatenate([d.rhs for d in case.disjuncts]), dtype=dtype)
+        disjunct = torch.cat([torch.full((len(d.rhs),), i, dtype=torch.long) for i, d in enumerate(case.disjuncts)])
+        return cls(matrix, rhs, disjunct, output_shape)
+
+    @property
+    def num_rows(self) -> int:
+        return self.matrix.shape[0]
+
+    def rows(self, batch: int) -> Tensor:
+        """Spec rows as backward-pass coefficients ``[S, batch, *output shape]`` (a broadcast view)."""
+        return self.matrix.view(self.num_rows, 1, *self.output_shape).expand(-1, batch, *self.output_shape)
+
+    def value(self, margins: Tensor) -> Tensor:
+        """``min_d max_{r ∈ d} margins[..., r]`` for ``margins [B, S]`` → ``[B]``."""
+        per_disjunct = torch.full(
+            (margins.shape[0], self.num_disjuncts), -torch.inf, dtype=margins.dtype, device=margins.device
+        )
+        index = self.disjunct.expand(margins.shape[0], -1)
+        return per_disjunct.scatter_reduce(1, index, margins, "amax").min(1).values
+
+    def point_value(self, outputs: Tensor) -> Tensor:
+        """The value of concrete outputs ``[B, *output shape]``: ``≤ 0`` exactly where ``y`` is unsafe."""
+        return self.value(outputs.flatten(1) @ self.matrix.T - self.rhs)
