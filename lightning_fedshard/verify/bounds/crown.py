@@ -3,7 +3,9 @@
 One pass bounds ``Σ C·v`` from below for a node ``v`` and spec rows ``C [S, B, *v.shape]``; upper bounds are
 lower bounds of ``-C``. Intermediate (pre-activation) bounds come from the same pass started at each
 pre-activation node, restricted to its unstable neurons, in topological order so that every pass only needs
-bounds that are already known.
+bounds that are already known. Passes started at a convolutional node carry their coefficients as
+:class:`~lightning_fedshard.verify.ops.Patches` (local windows) for as long as the ops allow ("patches mode"); the
+dense "matrix" mode gives the same bounds with far more memory.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.ops import Interval, ReLU, contract
+from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract
 
 __all__ = ["Backward", "backward_bound", "intermediate_bounds", "selection_rows", "unstable_neurons"]
 
@@ -26,36 +28,39 @@ class Backward:
 
     ``lower [S, B]`` bounds ``Σ C·v`` from below; ``input_A [S, B, *input shape]`` are its coefficients on the
     input (``None`` if ``v`` does not depend on it), from which the minimising corner of the box follows;
-    ``kept`` holds the coefficients that arrived at the nodes named in ``keep`` (for branching heuristics).
+    ``kept`` holds the coefficients that arrived at the nodes named in ``keep`` (for branching heuristics). Both
+    are :class:`Patches` where a patches-mode pass got there with them.
     """
 
     lower: Tensor
-    input_A: Tensor | None
-    kept: dict[str, Tensor] = field(default_factory=dict)
+    input_A: Tensor | Patches | None
+    kept: dict[str, Tensor | Patches] = field(default_factory=dict)
 
     def minimiser(self, box: Interval) -> Tensor:
         """The box corner ``[S, B, *input shape]`` that minimises the linear bound of each row."""
         if self.input_A is None:
             return box.center.expand(self.lower.shape[0], *box.center.shape)
-        return torch.where(self.input_A >= 0, box.lower, box.upper)
+        A = self.input_A.to_dense() if isinstance(self.input_A, Patches) else self.input_A
+        return torch.where(A >= 0, box.lower, box.upper)
 
 
 def backward_bound(
     graph: BoundGraph,
     start: str,
-    C: Tensor,
+    C: Tensor | Patches,
     box: Interval,
     bounds: Mapping[str, Interval],
     alphas: Mapping[str, Tensor] | None = None,
     betas: Mapping[str, Tensor] | None = None,
     keep: Collection[str] = (),
 ) -> Backward:
-    """Lower bound of ``Σ C·start`` over ``box``.
+    """Lower bound of ``Σ C·start`` over ``box``; ``C [S, B, *start shape]`` dense, or :class:`Patches`.
 
     ``bounds`` must hold the pre-activation bounds of every ReLU the pass crosses. ``alphas`` maps ReLU node
     names to lower slopes ``[S, B, *shape]`` (else CROWN's adaptive slopes); ``betas`` maps pre-activation
     names to β-CROWN's signed Lagrangian terms ``β·s`` (``s = +1`` for an active split ``z ≥ 0``, ``-1`` for an
-    inactive one), subtracted from the coefficients arriving there.
+    inactive one), subtracted from the coefficients arriving there (dense passes only). Patches reaching an op
+    without ``accepts_patches`` (Reshape, Linear) are made dense there.
     """
     pending = {start: C}
     bias: Tensor | int = 0
@@ -72,6 +77,8 @@ def backward_bound(
         if node.op is None:
             input_A = A
             continue
+        if isinstance(A, Patches) and not node.op.accepts_patches:
+            A = A.to_dense()
         needs_bounds = isinstance(node.op, ReLU)
         inputs = [bounds[name] for name in node.inputs] if needs_bounds else [None] * len(node.inputs)
         alpha = alphas.get(node.name) if alphas is not None else None
@@ -80,8 +87,10 @@ def backward_bound(
             bias = bias + term
         for name, A_in in zip(node.inputs, A_inputs, strict=True):
             if A_in is not None:
+                # Patches + dense (branches that met a dense-only op on one side) is dense.
                 pending[name] = pending[name] + A_in if name in pending else A_in
-    lower = torch.zeros(C.shape[:2], dtype=C.dtype, device=C.device) + bias
+    rows = C.values if isinstance(C, Patches) else C
+    lower = torch.zeros(rows.shape[:2], dtype=rows.dtype, device=rows.device) + bias
     if input_A is not None:
         lower = lower + contract(input_A, box.center) - contract(input_A.abs(), box.radius)
     return Backward(lower, input_A, kept)
@@ -113,6 +122,13 @@ def _refine(current: Interval, index: Tensor, lower: Tensor, upper: Tensor, inte
     return Interval(lo.view(shape), hi.view(shape))
 
 
+def _behind_conv(graph: BoundGraph, name: str) -> bool:
+    """Whether node ``name`` is ``(C, H, W)``-shaped with a convolution among its ancestors: the nodes whose rows
+    depend on small windows of the nodes before them."""
+    shape = graph.by_name[name].shape
+    return len(shape) == 3 and any(isinstance(node.op, Conv2d) for node in graph.ancestors(name))
+
+
 def intermediate_bounds(
     graph: BoundGraph,
     box: Interval,
@@ -122,6 +138,7 @@ def intermediate_bounds(
     crown: bool = True,
     intersect_ibp: bool = True,
     used_rows: dict[str, Tensor] | None = None,
+    conv_mode: str = "patches",
 ) -> dict[str, Interval]:
     """Bounds of every node up to the output: interval propagation, with each pre-activation node tightened by
     CROWN on its unstable neurons (``crown=False``: IBP alone).
@@ -132,7 +149,13 @@ def intermediate_bounds(
     the unstable ones. With ``intersect_ibp=False`` CROWN's bounds replace the interval ones on those neurons,
     as auto_LiRPA does (its reference numbers are reproduced that way); intersecting is never looser.
     ``used_rows``, when given, receives the neurons refined at each pre-activation node.
+
+    ``conv_mode="patches"`` starts the passes of convolutional pre-activation nodes ``(C, H, W)`` (those behind a
+    convolution) from :class:`Patches` rows, unless α slopes are given for them (α is per row and dense anyway);
+    ``"matrix"`` uses dense rows everywhere. Both give the same bounds up to rounding.
     """
+    if conv_mode not in ("patches", "matrix"):
+        raise ValueError(f"conv_mode must be 'patches' or 'matrix', got {conv_mode!r}")
     pre_activations = set(graph.pre_activation.values())
     bounds: dict[str, Interval] = {graph.input.name: box}
     batch = box.lower.shape[0]
@@ -147,8 +170,11 @@ def intermediate_bounds(
                 if used_rows is not None:
                     used_rows[node.name] = index
                 if index.numel():
-                    C = selection_rows(index, batch, node.shape, interval.lower.dtype)
                     start_alphas = alphas.get(node.name) if alphas is not None else None
+                    if conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name):
+                        C = Patches.identity(index, batch, node.shape, interval.lower.dtype)
+                    else:
+                        C = selection_rows(index, batch, node.shape, interval.lower.dtype)
                     lower = backward_bound(graph, node.name, C, box, bounds, start_alphas).lower
                     U = index.numel()
                     interval = _refine(interval, index, lower[:U].T, -lower[U:].T, intersect_ibp)

@@ -5,6 +5,7 @@ from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, cont
 from lightning_fedshard.verify.ops.conv import Conv2d
 from lightning_fedshard.verify.ops.elementwise import BatchNorm, ElementwiseAffine
 from lightning_fedshard.verify.ops.linear import Linear
+from lightning_fedshard.verify.ops.patches import Patches
 from lightning_fedshard.verify.ops.pool import AvgPool2d
 from lightning_fedshard.verify.ops.relu import ReLU
 from lightning_fedshard.verify.ops.reshape import Reshape
@@ -19,6 +20,7 @@ __all__ = [
     "Interval",
     "Linear",
     "LinearOp",
+    "Patches",
     "ReLU",
     "Reshape",
     "contract",

@@ -22,6 +22,7 @@ class Add(BoundOp):
     """
 
     onnx_types = ("Add", "Sub")
+    accepts_patches = True
 
     def __init__(self, subtract: bool = False) -> None:
         self.subtract = subtract

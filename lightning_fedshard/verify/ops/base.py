@@ -3,7 +3,9 @@
 Shapes: a node's tensors are ``[B, *shape]`` (B = points, boxes or BaB domains; ``shape`` is the ONNX shape
 without its leading batch dimension). Linear bounds are carried backwards as coefficient tensors
 ``A: [S, B, *shape]`` (S = rows of the specification being bounded), always for a *lower* bound: an upper
-bound of ``c·y`` is minus the lower bound of ``-c·y``, so one propagation rule per operator serves both.
+bound of ``c·y`` is minus the lower bound of ``-c·y``, so one propagation rule per operator serves both. Rows that
+are positions of a convolutional node may instead travel as :class:`~lightning_fedshard.verify.ops.patches.Patches`
+(their local windows) through the ops that declare ``accepts_patches``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lightning_fedshard.verify.ops.patches import Patches
 
 __all__ = ["BoundOp", "Interval", "LinearOp", "contract"]
 
@@ -40,9 +44,11 @@ class Interval:
         return (self.upper - self.lower) / 2
 
 
-def contract(A: Tensor, value: Tensor) -> Tensor:
-    """``Σ A·value`` over the node dimensions: ``A [S, B, *shape]`` with ``value`` broadcastable to ``[B, *shape]``
-    (or to ``shape``) gives ``[S, B]``."""
+def contract(A: Tensor | Patches, value: Tensor) -> Tensor:
+    """``Σ A·value`` over the node dimensions: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
+    broadcastable to ``[B, *shape]`` (or to ``shape``) gives ``[S, B]``."""
+    if isinstance(A, Patches):
+        return A.contract(value)
     return (A * value).flatten(2).sum(-1)
 
 
@@ -61,6 +67,8 @@ class BoundOp(ABC):
 
     #: ONNX operator names this class is built from, for error messages and documentation.
     onnx_types: tuple[str, ...] = ()
+    #: Whether :meth:`backward` takes :class:`Patches` coefficients; other ops are handed dense ones.
+    accepts_patches: bool = False
 
     @abstractmethod
     def forward(self, *inputs: Tensor) -> Tensor: ...
@@ -70,8 +78,8 @@ class BoundOp(ABC):
 
     @abstractmethod
     def backward(
-        self, A: Tensor, inputs: Sequence[Interval | None], alpha: Tensor | None = None
-    ) -> tuple[list[Tensor | None], Tensor | None]:
+        self, A: Tensor | Patches, inputs: Sequence[Interval | None], alpha: Tensor | None = None
+    ) -> tuple[list[Tensor | Patches | None], Tensor | None]:
         """Push a lower bound ``Σ A·out + c`` back to one in terms of the inputs.
 
         Returns one coefficient tensor per input (``None`` where the bound does not depend on it) and the
@@ -103,8 +111,9 @@ class LinearOp(BoundOp):
         """``|L|(x)``: the operator with every coefficient replaced by its absolute value."""
 
     @abstractmethod
-    def transpose(self, A: Tensor) -> Tensor:
-        """``Lᵀ`` applied to coefficients ``A [S, B, *out_shape]`` → ``[S, B, *in_shape]``."""
+    def transpose(self, A: Tensor | Patches) -> Tensor | Patches:
+        """``Lᵀ`` applied to coefficients ``A [S, B, *out_shape]`` → ``[S, B, *in_shape]`` (Patches only where the op
+        ``accepts_patches``)."""
 
     def constant(self) -> Tensor | None:
         """The constant term ``c`` (broadcastable to the output), or ``None``."""

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_fedshard.verify.ops.base import LinearOp
+from lightning_fedshard.verify.ops.patches import Patches
 
 __all__ = ["Conv2d"]
 
@@ -24,6 +25,7 @@ class Conv2d(LinearOp):
     """
 
     onnx_types = ("Conv",)
+    accepts_patches = True
 
     def __init__(
         self,
@@ -67,13 +69,21 @@ class Conv2d(LinearOp):
     def abs_linear(self, x: Tensor) -> Tensor:
         return self._conv(x, self.weight.abs())
 
-    def transpose(self, A: Tensor) -> Tensor:
-        S, B = A.shape[:2]
+    def transpose(self, A: Tensor | Patches) -> Tensor | Patches:
         top, left, bottom, right = self.pads
+        if isinstance(A, Patches):
+            return A.conv_transpose(self.weight, self.stride, (top, left), self.dilation, self.groups, self.in_shape)
+        S, B = A.shape[:2]
         padding = (top, left) if self._symmetric else 0
         out = F.conv_transpose2d(
-            A.reshape(S * B, *A.shape[2:]), self.weight, None, self.stride, padding, self._output_padding,
-            self.groups, self.dilation,
+            A.reshape(S * B, *A.shape[2:]),
+            self.weight,
+            None,
+            self.stride,
+            padding,
+            self._output_padding,
+            self.groups,
+            self.dilation,
         )
         if not self._symmetric:
             out = out[:, :, top : out.shape[2] - bottom, left : out.shape[3] - right]

@@ -29,6 +29,11 @@ class ElementwiseAffine(LinearOp):
         self.scale, self.shift = scale, shift
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
 
+    @property
+    def accepts_patches(self) -> bool:
+        # Patches multiply by the constants as they are; summing a broadcast back down needs dense coefficients.
+        return self.in_shape == self.out_shape
+
     def linear(self, x: Tensor) -> Tensor:
         return x if self.scale is None else x * self.scale
 

@@ -26,6 +26,7 @@ class ReLU(BoundOp):
     """
 
     onnx_types = ("Relu",)
+    accepts_patches = True  # backward only clamps, multiplies by [B, *shape] slopes, adds and contracts
 
     def forward(self, x: Tensor) -> Tensor:
         return x.clamp(min=0)
