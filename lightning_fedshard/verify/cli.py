@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from lightning_fedshard.verify.config import Method, VerifyConfig
 from lightning_fedshard.verify.instances import (
     model_forward,
@@ -44,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
     parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return parser
 
 
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give ONNX and VNNLIB, or --instances CSV")
     if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):
         parser.error("--instances runs a whole folder: do not also give ONNX/VNNLIB/--result/--report")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         config = VerifyConfig(
             method=Method(args.method), timeout=args.timeout or 120.0, batch_size=args.batch_size, seed=args.seed

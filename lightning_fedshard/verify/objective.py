@@ -48,6 +48,14 @@ class OutputSpec:
         disjunct = torch.cat([torch.full((len(d.rhs),), i, dtype=torch.long) for i, d in enumerate(case.disjuncts)])
         return cls(matrix, rhs, disjunct, output_shape)
 
+    def only(self, disjunct: int) -> OutputSpec:
+        """The spec of one disjunct alone (its rows, renumbered as disjunct 0)."""
+        rows = self.rows_of(disjunct)
+        return OutputSpec(self.matrix[rows], self.rhs[rows], torch.zeros(len(rows), dtype=torch.long), self.output_shape)
+
+    def rows_of(self, disjunct: int) -> Tensor:
+        return (self.disjunct == disjunct).nonzero().flatten()
+
     @property
     def num_rows(self) -> int:
         return self.matrix.shape[0]

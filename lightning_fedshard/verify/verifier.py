@@ -141,10 +141,27 @@ def _verify_case(
     if config.method is Method.ALPHA_CROWN or run.expired:
         return (Verdict.UNKNOWN if not run.expired else Verdict.TIMEOUT), None, None, margins.tolist(), {}
 
-    outcome = run.timed("bab", branch_and_bound, graph, spec, box, root, config, run.deadline, generator)
-    stats = {"domains_bounded": outcome.domains_bounded, "max_depth": outcome.max_depth}
-    decided = "bab" if outcome.verdict in (Verdict.SAT, Verdict.UNSAT) else None
-    return outcome.verdict, outcome.counterexample, decided, margins.tolist(), stats
+    # Each disjunct not ruled out at the root gets its own search (α,β-CROWN does the same per target label): the
+    # branching then serves one objective, and the rows already proven cost nothing more.
+    open_disjuncts = [d for d in range(spec.num_disjuncts) if float(margins[spec.rows_of(d)].max()) <= 0]
+    open_disjuncts.sort(key=lambda d: float(margins[spec.rows_of(d)].max()))
+    stats = {"domains_bounded": 0, "max_depth": 0}
+    verdict = Verdict.UNSAT
+    for d in open_disjuncts:
+        rows = spec.rows_of(d)
+        outcome = run.timed(
+            "bab", branch_and_bound, graph, spec.only(d), box, root.rows(rows), config, run.deadline, generator
+        )
+        stats["domains_bounded"] += outcome.domains_bounded
+        stats["max_depth"] = max(stats["max_depth"], outcome.max_depth)
+        if outcome.verdict in (Verdict.SAT, Verdict.TIMEOUT):
+            verdict = outcome.verdict
+            break
+        if outcome.verdict is Verdict.UNKNOWN:
+            verdict = Verdict.UNKNOWN  # keep searching the other disjuncts for a counterexample
+    outcome_cex = outcome.counterexample if verdict is Verdict.SAT else None
+    decided = "bab" if verdict in (Verdict.SAT, Verdict.UNSAT) else None
+    return verdict, outcome_cex, decided, margins.tolist(), stats
 
 
 def verify(graph: BoundGraph, prop: Property, config: VerifyConfig = VerifyConfig()) -> VerificationResult:

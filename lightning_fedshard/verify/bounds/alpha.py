@@ -33,6 +33,11 @@ class AlphaResult:
     alphas: dict[str, Tensor]
     iterations: int
 
+    def rows(self, index: Tensor) -> AlphaResult:
+        """The result restricted to spec rows ``index`` (the intermediate bounds are shared by all rows)."""
+        alphas = {relu: alpha[index] for relu, alpha in self.alphas.items()}
+        return AlphaResult(self.lower[index], self.bounds, alphas, self.iterations)
+
 
 def initial_alphas(graph: BoundGraph, start: str, rows: int, bounds: dict[str, Interval]) -> dict[str, Tensor]:
     """CROWN's adaptive slopes for every ReLU that the pass from ``start`` crosses, as ``[rows, B, *shape]``."""
