@@ -1,7 +1,8 @@
 """lightning_fedshard: FL+FSDP / FL+HSDP strategies for PyTorch Lightning, and Llama 3.1 pre-training on them.
 
 Importing the package registers the strategy names ``"fl_fsdp"``, ``"fl_hsdp"``, ``"fsdp2"``, ``"hsdp"`` and
-``"ddp_dynamiq"``; ``lightning_fedshard.dynamiq`` holds the compressed collectives and the ``DynamiQ`` plugin.
+``"ddp_dynamiq"``; ``lightning_fedshard.dynamiq`` holds the compressed collectives and the ``DynamiQ`` plugin;
+``lightning_fedshard.verify`` the neural-network verifier (``verify_files(onnx, vnnlib, VerifyConfig())``).
 """
 
 from lightning_fedshard.data import TextDataModule
@@ -17,6 +18,7 @@ from lightning_fedshard.strategies import (
     register_strategies,
 )
 from lightning_fedshard.training import LlamaPretraining, TokenThroughputMonitor
+from lightning_fedshard.verify import VerificationResult, Verdict, VerifyConfig, load_onnx, read_vnnlib, verify_files
 
 register_strategies()
 
@@ -36,5 +38,11 @@ __all__ = [
     "LlamaPretraining",
     "TextDataModule",
     "TokenThroughputMonitor",
+    "VerificationResult",
+    "Verdict",
+    "VerifyConfig",
     "__version__",
+    "load_onnx",
+    "read_vnnlib",
+    "verify_files",
 ]

@@ -147,7 +147,8 @@ def intermediate_bounds(
     ``reference`` bounds (known valid, e.g. from a previous pass) are intersected in; ``rows[start]`` fixes the
     neurons refined by CROWN (α-CROWN keeps them fixed so its slope tensors keep their shape), else they are
     the unstable ones. With ``intersect_ibp=False`` CROWN's bounds replace the interval ones on those neurons,
-    as auto_LiRPA does (its reference numbers are reproduced that way); intersecting is never looser.
+    as auto_LiRPA does (its reference numbers are reproduced that way). Intersecting tightens the refined layer
+    itself; deeper layers are usually tighter too, not always (tighter bounds can flip adaptive slopes).
     ``used_rows``, when given, receives the neurons refined at each pre-activation node.
 
     ``conv_mode="patches"`` starts the passes of convolutional pre-activation nodes ``(C, H, W)`` (those behind a
