@@ -18,7 +18,7 @@ from lightning_fedshard.strategies import (
     register_strategies,
 )
 from lightning_fedshard.training import LlamaPretraining, TokenThroughputMonitor
-from lightning_fedshard.verify import VerificationResult, Verdict, VerifyConfig, load_onnx, read_vnnlib, verify_files
+from lightning_fedshard.verify import Verdict, VerificationResult, VerifyConfig, load_onnx, read_vnnlib, verify_files
 
 register_strategies()
 
@@ -38,8 +38,8 @@ __all__ = [
     "LlamaPretraining",
     "TextDataModule",
     "TokenThroughputMonitor",
-    "VerificationResult",
     "Verdict",
+    "VerificationResult",
     "VerifyConfig",
     "__version__",
     "load_onnx",

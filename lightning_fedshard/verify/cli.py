@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         "--expected", type=Path, help="with --instances: expected verdicts CSV (default: expected_verdicts.csv beside)"
     )
     parser.add_argument("--limit", type=int, help="with --instances: only the first N instances")
+    parser.add_argument("--networks", nargs="+", help="with --instances: only the rows of these ONNX file names")
     parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
     parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
     parser.add_argument("--seed", type=int, default=0)
@@ -69,6 +70,11 @@ def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
 
 def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
     instances = read_instances(args.instances)
+    if args.networks:
+        unknown = set(args.networks) - {i.onnx.name for i in instances}
+        if unknown:
+            raise ValueError(f"{args.instances} has no rows for {sorted(unknown)}")
+        instances = [i for i in instances if i.onnx.name in args.networks]
     if args.limit is not None:
         instances = instances[: args.limit]
     if args.timeout is not None:

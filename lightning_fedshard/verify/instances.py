@@ -102,7 +102,9 @@ def model_forward(onnx_path: str | Path, graph: BoundGraph | None = None) -> Cal
     shape = [1 if not isinstance(d, int) else d for d in inp.shape]
 
     def run_session(x: np.ndarray) -> np.ndarray:
-        return session.run(None, {inp.name: np.asarray(x, dtype=np.float32).reshape(shape)})[0].astype(np.float64).ravel()
+        return (
+            session.run(None, {inp.name: np.asarray(x, dtype=np.float32).reshape(shape)})[0].astype(np.float64).ravel()
+        )
 
     return run_session
 
@@ -116,7 +118,9 @@ def _score(verdict: str, expected: str, counterexample_ok: str) -> tuple[bool, i
     return wrong, WRONG_PENALTY if wrong else CORRECT_POINTS
 
 
-def run_instance(instance: Instance, config: VerifyConfig, expected: str = "") -> tuple[InstanceResult, VerificationResult | None]:
+def run_instance(
+    instance: Instance, config: VerifyConfig, expected: str = ""
+) -> tuple[InstanceResult, VerificationResult | None]:
     """Verify one instance under its own timeout; a bad file becomes a row with its error, not an exception."""
     start = time.monotonic()
     row = InstanceResult(instance.onnx.name, instance.vnnlib.name, "error", 0.0, expected=expected)
@@ -156,8 +160,8 @@ def write_results(path: str | Path, rows: list[InstanceResult]) -> None:
 def summarise(rows: list[InstanceResult]) -> str:
     """Per network: verified, falsified, unknown, timeouts, errors, wrong answers, median time; then the score."""
     lines = [
-        f"{'network':<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
-        f"{'wrong':>5} {'median s':>8} {'score':>6}"
+        (f"{'network':<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
+        f"{'wrong':>5} {'median s':>8} {'score':>6}")
     ]
     groups: dict[str, list[InstanceResult]] = {}
     for row in rows:

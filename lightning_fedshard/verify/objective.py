@@ -51,7 +51,9 @@ class OutputSpec:
     def only(self, disjunct: int) -> OutputSpec:
         """The spec of one disjunct alone (its rows, renumbered as disjunct 0)."""
         rows = self.rows_of(disjunct)
-        return OutputSpec(self.matrix[rows], self.rhs[rows], torch.zeros(len(rows), dtype=torch.long), self.output_shape)
+        return OutputSpec(
+            self.matrix[rows], self.rhs[rows], torch.zeros(len(rows), dtype=torch.long), self.output_shape
+        )
 
     def rows_of(self, disjunct: int) -> Tensor:
         return (self.disjunct == disjunct).nonzero().flatten()

@@ -204,8 +204,13 @@ def _conv(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
     bias = ctx.weight(node.input[2], "Conv bias") if len(node.input) > 2 and node.input[2] else None
     top, left, bottom, right = _padding(attrs)
     op = Conv2d(
-        weight, bias, in_shape, tuple(attrs.get("strides", (1, 1))), (top, left, bottom, right),
-        tuple(attrs.get("dilations", (1, 1))), attrs.get("group", 1),
+        weight,
+        bias,
+        in_shape,
+        tuple(attrs.get("strides", (1, 1))),
+        (top, left, bottom, right),
+        tuple(attrs.get("dilations", (1, 1))),
+        attrs.get("group", 1),
     )
     ctx.emit(node, op, node.input[0])
 
@@ -213,8 +218,10 @@ def _conv(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
 def _batch_norm(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
     if attrs.get("training_mode", 0) or any(node.output[1:]):
         raise OnnxLoadError("BatchNormalization in training mode; export the model in eval mode")
-    gamma, beta, mean, var = (ctx.weight(name, f"BatchNormalization {role}") for name, role in zip(
-        node.input[1:], ("scale", "bias", "mean", "var"), strict=True))
+    gamma, beta, mean, var = (
+        ctx.weight(name, f"BatchNormalization {role}")
+        for name, role in zip(node.input[1:], ("scale", "bias", "mean", "var"), strict=True)
+    )
     op = BatchNorm(gamma, beta, mean, var, attrs.get("epsilon", 1e-5), ctx.variable(node.input[0]).shape)
     ctx.emit(node, op, node.input[0])
 
@@ -230,8 +237,12 @@ def _average_pool(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
     if (top, left) != (bottom, right):
         raise OnnxLoadError(f"AveragePool pads {[top, left, bottom, right]} are asymmetric")
     op = AvgPool2d(
-        in_shape, kernel, tuple(attrs.get("strides", (1, 1))), (top, left),
-        bool(attrs.get("count_include_pad", 0)), bool(attrs.get("ceil_mode", 0)),
+        in_shape,
+        kernel,
+        tuple(attrs.get("strides", (1, 1))),
+        (top, left),
+        bool(attrs.get("count_include_pad", 0)),
+        bool(attrs.get("ceil_mode", 0)),
     )
     ctx.emit(node, op, node.input[0])
 

@@ -103,8 +103,15 @@ def _verify_case(
     spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
     with torch.no_grad():
         x = run.timed(
-            "attack", pgd_attack, graph, spec, box, config.attack_restarts, config.attack_steps,
-            generator=generator, deadline=run.deadline,
+            "attack",
+            pgd_attack,
+            graph,
+            spec,
+            box,
+            config.attack_restarts,
+            config.attack_steps,
+            generator=generator,
+            deadline=run.deadline,
         )
     if x is not None:
         return Verdict.SAT, x, "pgd", [], {}
@@ -131,8 +138,16 @@ def _verify_case(
         return (Verdict.UNKNOWN if not run.expired else Verdict.TIMEOUT), None, None, margins.tolist(), {}
 
     root = run.timed(
-        "alpha-crown", alpha_crown, graph, box, spec.rows(1), config.alpha_iterations, config.alpha_lr,
-        config.alpha_lr_decay, stop_above=spec.rhs.view(-1, 1), deadline=run.deadline,
+        "alpha-crown",
+        alpha_crown,
+        graph,
+        box,
+        spec.rows(1),
+        config.alpha_iterations,
+        config.alpha_lr,
+        config.alpha_lr_decay,
+        stop_above=spec.rhs.view(-1, 1),
+        deadline=run.deadline,
         intersect_ibp=config.intersect_ibp,
     )
     margins = root.lower[:, 0] - spec.rhs
@@ -164,13 +179,14 @@ def _verify_case(
     return verdict, outcome_cex, decided, margins.tolist(), stats
 
 
-def verify(graph: BoundGraph, prop: Property, config: VerifyConfig = VerifyConfig()) -> VerificationResult:
+def verify(graph: BoundGraph, prop: Property, config: VerifyConfig | None = None) -> VerificationResult:
     """Decide ``prop`` on ``graph``: ``sat`` if some case has a counterexample, ``unsat`` if every case is
     proven, else ``unknown`` (or ``timeout`` when the budget ran out).
 
     The counterexample of a ``sat`` answer has been replayed on ``graph``; check it on the ONNX model with
     :func:`~lightning_fedshard.verify.spec.check_counterexample`.
     """
+    config = config or VerifyConfig()
     if prop.num_inputs != graph.input.size or prop.num_outputs != graph.output.size:
         raise ValueError(
             f"the property has {prop.num_inputs} inputs and {prop.num_outputs} outputs, the network "
@@ -201,7 +217,7 @@ def verify(graph: BoundGraph, prop: Property, config: VerifyConfig = VerifyConfi
 
 
 def verify_files(
-    onnx_path: str | Path, vnnlib_path: str | Path, config: VerifyConfig = VerifyConfig()
+    onnx_path: str | Path, vnnlib_path: str | Path, config: VerifyConfig | None = None
 ) -> VerificationResult:
     """:func:`verify` on files: an ONNX model (``.onnx``/``.onnx.gz``) and a VNN-LIB property."""
     start = time.monotonic()
@@ -211,4 +227,3 @@ def verify_files(
     result = verify(graph, prop, config)
     result.times = {"load": load_time, **result.times}
     return result
-

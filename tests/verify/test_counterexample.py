@@ -132,8 +132,11 @@ def test_result_for_another_property_fails(instance):
     cex, prop, forward = instance
     # The same input box, but the disjuncts of a property whose label is the class the network predicts here.
     predicted = int(np.argmax(forward(cex.x)))
-    other = next(p for p in sorted((MNIST / "vnnlib").glob("*.vnnlib"))
-                 if f"label: {predicted}." in p.read_text().splitlines()[0])
+    other = next(
+        p
+        for p in sorted((MNIST / "vnnlib").glob("*.vnnlib"))
+        if f"label: {predicted}." in p.read_text().splitlines()[0]
+    )
     swapped = Property(784, 10, (Case(prop.cases[0].box, read_vnnlib(other).cases[0].disjuncts),))
     result = check_counterexample(cex, swapped, forward)
     assert not result.ok and result.reason.startswith("no disjunct satisfied (best row violation")

@@ -63,8 +63,13 @@ def _export(model: nn.Module, shape: tuple[int, ...], path: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
         torch.onnx.export(
-            model.eval(), torch.zeros(1, *shape), str(path), opset_version=13, dynamo=False,
-            training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
+            model.eval(),
+            torch.zeros(1, *shape),
+            str(path),
+            opset_version=13,
+            dynamo=False,
+            training=torch.onnx.TrainingMode.PRESERVE,
+            do_constant_folding=False,
         )
     return path
 
@@ -78,14 +83,20 @@ def _our_ops(graph: BoundGraph) -> set[type]:
 
 
 def _hand_built(
-    path: Path, nodes: list[onnx.NodeProto], in_shape: list[int], initializers: dict[str, np.ndarray] | None = None,
+    path: Path,
+    nodes: list[onnx.NodeProto],
+    in_shape: list[int],
+    initializers: dict[str, np.ndarray] | None = None,
     extra_inputs: tuple[onnx.ValueInfoProto, ...] = (),
 ) -> Path:
     """A one-input one-output float model ``x -> ... -> y`` (``y``'s shape left to ONNX shape inference)."""
     inits = [numpy_helper.from_array(value, name) for name, value in (initializers or {}).items()]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape), *extra_inputs],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits,
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape), *extra_inputs],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
     return path
@@ -130,15 +141,22 @@ class _ResNet(nn.Module):
         self.register_buffer("std", torch.tensor([0.25, 0.24, 0.26]).view(1, 3, 1, 1))
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
         self.branch = nn.Sequential(
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
         )
         self.down = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(), nn.AvgPool2d(2))
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(16 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
         generator = torch.Generator().manual_seed(0)
         for bn in (m for m in self.modules() if isinstance(m, nn.BatchNorm2d)):
-            for tensor, low, high in ((bn.running_mean, -0.5, 0.5), (bn.running_var, 0.5, 2.0),
-                                      (bn.weight.data, 0.5, 1.5), (bn.bias.data, -0.5, 0.5)):
+            for tensor, low, high in (
+                (bn.running_mean, -0.5, 0.5),
+                (bn.running_var, 0.5, 2.0),
+                (bn.weight.data, 0.5, 1.5),
+                (bn.bias.data, -0.5, 0.5),
+            ):
                 tensor.copy_(torch.rand(tensor.shape, generator=generator) * (high - low) + low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,22 +235,36 @@ HAND_BUILT = {
     # torch only exports symmetric pads; ONNX's (top, left, bottom, right) = (0, 0, 1, 1) with stride 2.
     "asymmetric_pad_conv": (
         [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[0, 0, 1, 1], strides=[2, 2])],
-        [1, 2, 6, 6], {"w": _weights(3, 2, 3, 3), "b": _weights(3, seed=1)},
+        [1, 2, 6, 6],
+        {"w": _weights(3, 2, 3, 3), "b": _weights(3, seed=1)},
     ),
     # ceil_mode's last window would start in the padding: onnxruntime and torch drop it (onnx's shape inference
     # does not); the graph must follow onnxruntime.
     "avgpool_ceil_mode": (
-        [helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 3], pads=[1, 1, 1, 1], strides=[2, 2],
-                          count_include_pad=1, ceil_mode=1)],
-        [1, 2, 5, 6], {},
+        [
+            helper.make_node(
+                "AveragePool",
+                ["x"],
+                ["y"],
+                kernel_shape=[2, 3],
+                pads=[1, 1, 1, 1],
+                strides=[2, 2],
+                count_include_pad=1,
+                ceil_mode=1,
+            )
+        ],
+        [1, 2, 5, 6],
+        {},
     ),
     "reshape_zero_and_minus_one": (
         [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
-        [1, 4, 3, 2], {"shape": np.array([0, -1, 2], dtype=np.int64)},
+        [1, 4, 3, 2],
+        {"shape": np.array([0, -1, 2], dtype=np.int64)},
     ),
     "gemm_alpha_beta": (
         [helper.make_node("Gemm", ["x", "w", "c"], ["y"], alpha=0.5, beta=2.0)],
-        [1, 4], {"w": _weights(4, 3), "c": _weights(1, 3, seed=1)},
+        [1, 4],
+        {"w": _weights(4, 3), "c": _weights(1, 3, seed=1)},
     ),
     "constant_arithmetic": (
         [
@@ -243,7 +275,8 @@ HAND_BUILT = {
             helper.make_node("Identity", ["c"], ["d"]),
             helper.make_node("Add", ["d", "row"], ["y"]),  # broadcasts [1, 3, 1, 2] up to [1, 3, 4, 2]
         ],
-        [1, 3, 1, 2], {"s": np.float32([0.5, -2.0, 4.0]).reshape(3, 1, 1), "row": _weights(1, 4, 1, seed=3)},
+        [1, 3, 1, 2],
+        {"s": np.float32([0.5, -2.0, 4.0]).reshape(3, 1, 1), "row": _weights(1, 4, 1, seed=3)},
     ),
     "shape_gather_chain": (
         [
@@ -253,8 +286,12 @@ HAND_BUILT = {
             helper.make_node("Concat", ["batch_1d", "minus_one"], ["target"], axis=0),
             helper.make_node("Reshape", ["x", "target"], ["y"]),
         ],
-        [1, 2, 3], {"zero": np.array(0, dtype=np.int64), "zero_axis": np.array([0], dtype=np.int64),
-                    "minus_one": np.array([-1], dtype=np.int64)},
+        [1, 2, 3],
+        {
+            "zero": np.array(0, dtype=np.int64),
+            "zero_axis": np.array([0], dtype=np.int64),
+            "minus_one": np.array([-1], dtype=np.int64),
+        },
     ),
 }
 
@@ -281,8 +318,11 @@ def test_initializers_listed_as_inputs_are_skipped(tmp_path: Path) -> None:
 
 
 ERRORS = {
-    "unsupported": ([helper.make_node("Sigmoid", ["x"], ["y"], name="Sigmoid_3")], {},
-                    "unsupported ONNX operator 'Sigmoid' at node 'Sigmoid_3'"),
+    "unsupported": (
+        [helper.make_node("Sigmoid", ["x"], ["y"], name="Sigmoid_3")],
+        {},
+        "unsupported ONNX operator 'Sigmoid' at node 'Sigmoid_3'",
+    ),
     "nonlinear_mul": ([helper.make_node("Mul", ["x", "x"], ["y"], name="square")], {}, "non-linear"),
     "nonlinear_div": ([helper.make_node("Div", ["one", "x"], ["y"])], {"one": np.float32([1.0])}, "non-linear"),
     "constant_left_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], {"w": _weights(4, 1)}, "left operand"),

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_fedshard.verify.config import VerifyConfig
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
+from lightning_fedshard.verify.config import VerifyConfig
 from lightning_fedshard.verify.onnx_loader import load_onnx
 from lightning_fedshard.verify.ops import Interval, Linear
 from lightning_fedshard.verify.spec import read_vnnlib
@@ -107,8 +107,8 @@ def test_crown_matches_auto_lirpa(net):
 def _alpha_properties(net: str) -> list[str]:
     if net == "mnist-net_256x2.onnx":
         return _rows(net, "alpha-CROWN")
-    # 256x4 is ~5x slower per property: the 3 properties whose CROWN row minimum is nearest 0, where α-CROWN's gain matters
-    # (only prop_3_0.05 lies within -5..5; then prop_8_0.03 at -6.1 and prop_6_0.03 at -28).
+    # 256x4 is ~5x slower per property: the 3 properties whose CROWN row minimum is nearest 0, where α-CROWN's
+    # gain matters (only prop_3_0.05 lies within -5..5; then prop_8_0.03 at -6.1 and prop_6_0.03 at -28).
     return sorted(_rows(net, "CROWN"), key=lambda p: abs(_reference()[net, p, "CROWN"].min()))[:3]
 
 

@@ -4,6 +4,7 @@ against exhaustive sampling (BaB must never prove what a sample refutes)."""
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from lightning_fedshard.verify import (
     verify,
     verify_files,
 )
-from lightning_fedshard.verify.instances import model_forward, read_instances, summarise, run_instance
+from lightning_fedshard.verify.cli import main as verify_main
+from lightning_fedshard.verify.instances import model_forward, read_instances, run_instance, summarise
 from lightning_fedshard.verify.ops import Linear, ReLU
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
 
@@ -84,9 +86,15 @@ def test_a_short_timeout_answers_timeout_not_unsat():
 def _random_net(seed: int, widths=(2, 12, 12, 2)) -> BoundGraph:
     torch.manual_seed(seed)
     nodes, previous = [Node("x", None, (), (widths[0],))], "x"
-    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-        nodes.append(Node(f"fc{i}", Linear(torch.randn(fan_out, fan_in) / fan_in**0.5, torch.randn(fan_out) * 0.3),
-                          (previous,), (fan_out,)))
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+        nodes.append(
+            Node(
+                f"fc{i}",
+                Linear(torch.randn(fan_out, fan_in) / fan_in**0.5, torch.randn(fan_out) * 0.3),
+                (previous,),
+                (fan_out,),
+            )
+        )
         previous = f"fc{i}"
         if i < len(widths) - 2:
             nodes.append(Node(f"relu{i}", ReLU(), (previous,), (fan_out,)))
@@ -145,8 +153,9 @@ def test_cli_writes_result_and_report(tmp_path, capsys):
     result, report = tmp_path / "out.txt", tmp_path / "report.json"
     onnx, vnnlib = MNIST / "onnx" / "mnist-net_256x2.onnx", MNIST / "vnnlib" / "prop_1_0.03.vnnlib"
     with pytest.raises(SystemExit) as exit_info:
-        fedshard_main(["verify", str(onnx), str(vnnlib), "--timeout", "30", "--result", str(result),
-                       "--report", str(report)])
+        fedshard_main(
+            ["verify", str(onnx), str(vnnlib), "--timeout", "30", "--result", str(result), "--report", str(report)]
+        )
     assert exit_info.value.code == 0
     lines = result.read_text().splitlines()
     assert lines[0] == "sat" and lines[1].startswith("((X_0 ")
@@ -158,14 +167,26 @@ def test_cli_writes_result_and_report(tmp_path, capsys):
 @needs_mnist
 def test_cli_instances_scores_a_benchmark(tmp_path, capsys):
     instances = tmp_path / "instances.csv"
-    rows = ["onnx/mnist-net_256x2.onnx,vnnlib/prop_0_0.03.vnnlib,60", "onnx/mnist-net_256x2.onnx,vnnlib/prop_1_0.03.vnnlib,60"]
+    rows = [
+        "onnx/mnist-net_256x2.onnx,vnnlib/prop_0_0.03.vnnlib,60",
+        "onnx/mnist-net_256x2.onnx,vnnlib/prop_1_0.03.vnnlib,60",
+    ]
     instances.write_text("\n".join(rows) + "\n")
     for sub in ("onnx", "vnnlib"):
         (tmp_path / sub).symlink_to(MNIST / sub)
     results = tmp_path / "results.csv"
     with pytest.raises(SystemExit) as exit_info:
-        fedshard_main(["verify", "--instances", str(instances), "--results", str(results),
-                       "--expected", str(MNIST / "expected_verdicts.csv")])
+        fedshard_main(
+            [
+                "verify",
+                "--instances",
+                str(instances),
+                "--results",
+                str(results),
+                "--expected",
+                str(MNIST / "expected_verdicts.csv"),
+            ]
+        )
     assert exit_info.value.code == 0
     table = list(csv.DictReader(results.open()))
     assert [r["verdict"] for r in table] == ["unsat", "sat"]
@@ -191,6 +212,12 @@ def test_a_bad_instance_is_reported_and_the_run_goes_on(tmp_path):
     row, _ = run_instance(instance, VerifyConfig())
     assert row.verdict == "error" and "missing.onnx" in row.error and row.score == 0
     assert "error" in summarise([row])
+
+
+@needs_mnist
+def test_cli_instances_rejects_a_network_the_csv_lacks(capsys):
+    code = verify_main(["--instances", str(MNIST / "instances.csv"), "--networks", "resnet.onnx"])
+    assert code == 2 and "no rows for ['resnet.onnx']" in capsys.readouterr().err
 
 
 def test_malformed_instances_csv(tmp_path):

@@ -95,8 +95,10 @@ def single_rows(text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_comments_blank_lines_and_multiline_statements():
-    text = "; leading comment\n\n(declare-const X_0 Real) ; trailing comment\n(declare-const Y_0 Real)\n\n(assert\n" \
-           "  (<=\n    X_0 ; inside a statement\n    1.0))\n(assert (>= X_0 0))\n(assert (or\n  (and (>= Y_0 2))\n))\n"
+    text = (
+        "; leading comment\n\n(declare-const X_0 Real) ; trailing comment\n(declare-const Y_0 Real)\n\n(assert\n"
+        "  (<=\n    X_0 ; inside a statement\n    1.0))\n(assert (>= X_0 0))\n(assert (or\n  (and (>= Y_0 2))\n))\n"
+    )
     prop = parse_vnnlib(text)
     assert prop.cases[0].box.lower.tolist() == [0.0] and prop.cases[0].box.upper.tolist() == [1.0]
     assert prop.cases[0].disjuncts[0].matrix.tolist() == [[-1.0]] and prop.cases[0].disjuncts[0].rhs.tolist() == [-2.0]
@@ -124,15 +126,19 @@ def test_linear_terms(constraint, row, rhs):
 
 
 def test_scientific_and_signed_zero_bounds():
-    text = "(declare-const X_0 Real)\n(declare-const X_1 Real)\n(declare-const Y_0 Real)\n" \
-           "(assert (>= X_0 -0.0))\n(assert (<= X_0 1e-3))\n(assert (>= X_1 -2.5e-1))\n(assert (<= X_1 3E2))\n"
+    text = (
+        "(declare-const X_0 Real)\n(declare-const X_1 Real)\n(declare-const Y_0 Real)\n"
+        "(assert (>= X_0 -0.0))\n(assert (<= X_0 1e-3))\n(assert (>= X_1 -2.5e-1))\n(assert (<= X_1 3E2))\n"
+    )
     box = parse_vnnlib(text).cases[0].box
     assert box.lower.tolist() == [0.0, -0.25] and box.upper.tolist() == [1e-3, 300.0]
 
 
 def test_variables_are_ordered_by_index_not_declaration():
-    text = "(declare-const Y_1 Real)\n(declare-const X_1 Real)\n(declare-const Y_0 Real)\n(declare-const X_0 Real)\n" \
-           "(assert (<= X_1 3))\n(assert (>= X_1 2))\n(assert (<= X_0 1))\n(assert (>= X_0 0))\n(assert (<= Y_1 5))\n"
+    text = (
+        "(declare-const Y_1 Real)\n(declare-const X_1 Real)\n(declare-const Y_0 Real)\n(declare-const X_0 Real)\n"
+        "(assert (<= X_1 3))\n(assert (>= X_1 2))\n(assert (<= X_0 1))\n(assert (>= X_0 0))\n(assert (<= Y_1 5))\n"
+    )
     prop = parse_vnnlib(text)
     assert (prop.num_inputs, prop.num_outputs) == (2, 2)
     assert prop.cases[0].box.lower.tolist() == [0.0, 2.0] and prop.cases[0].box.upper.tolist() == [1.0, 3.0]
@@ -140,8 +146,9 @@ def test_variables_are_ordered_by_index_not_declaration():
 
 
 def test_disjunction_with_two_input_boxes_gives_two_cases():
-    prop = parse_vnnlib(HEADER + BOX + "(assert (or (and (<= X_0 0) (>= Y_0 Y_1))\n"
-                                       "            (and (>= X_0 0) (<= Y_0 0.5))))\n")
+    prop = parse_vnnlib(
+        HEADER + BOX + "(assert (or (and (<= X_0 0) (>= Y_0 Y_1))\n            (and (>= X_0 0) (<= Y_0 0.5))))\n"
+    )
     assert len(prop.cases) == 2
     first, second = prop.cases
     assert first.box.lower.tolist() == [-1.0] and first.box.upper.tolist() == [0.0]

@@ -24,9 +24,7 @@ def _pre_activation_bias(graph: BoundGraph, pre: str) -> Tensor:
     return bias.view(-1, *([1] * (len(shape) - 1))).expand(shape) if isinstance(node.op, Conv2d) else bias
 
 
-def babsr_scores(
-    graph: BoundGraph, domains: DomainBatch, relu_A: dict[str, Tensor], open_rows: Tensor
-) -> Tensor:
+def babsr_scores(graph: BoundGraph, domains: DomainBatch, relu_A: dict[str, Tensor], open_rows: Tensor) -> Tensor:
     """BaBSR score ``[N, Σ neurons]`` of every free unstable neuron (``-inf`` elsewhere), layers concatenated in
     the order of ``graph.relus``.
 

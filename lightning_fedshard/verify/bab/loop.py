@@ -82,8 +82,14 @@ def _settle(graph: BoundGraph, spec: OutputSpec, box: Interval, domains: DomainB
     """
     n = len(domains)
     result = beta_crown(
-        graph, box, spec.rows(n), domains, 10 * config.beta_iterations, config.beta_lr_alpha,
-        10 * config.beta_lr_beta, stop_above=spec.rhs.view(-1, 1).expand(-1, n),
+        graph,
+        box,
+        spec.rows(n),
+        domains,
+        10 * config.beta_iterations,
+        config.beta_lr_alpha,
+        10 * config.beta_lr_beta,
+        stop_above=spec.rhs.view(-1, 1).expand(-1, n),
     )
     return bool((spec.value(torch.maximum(result.lower.T - spec.rhs, domains.margins)) > 0).all())
 
@@ -118,8 +124,16 @@ def branch_and_bound(
         children = parents.split(pres, parents.branch_layer, parents.branch_neuron)
         n = len(children)
         result = beta_crown(
-            graph, box, spec.rows(n), children, config.beta_iterations, config.beta_lr_alpha, config.beta_lr_beta,
-            stop_above=spec.rhs.view(-1, 1).expand(-1, n), deadline=deadline, keep=relu_names,
+            graph,
+            box,
+            spec.rows(n),
+            children,
+            config.beta_iterations,
+            config.beta_lr_alpha,
+            config.beta_lr_beta,
+            stop_above=spec.rhs.view(-1, 1).expand(-1, n),
+            deadline=deadline,
+            keep=relu_names,
         )
         # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
         children.margins = torch.maximum(result.lower.T - spec.rhs, children.margins)

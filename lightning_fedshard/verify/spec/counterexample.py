@@ -112,8 +112,14 @@ def check_counterexample(
     """Validate ``cex`` against ``prop`` like the VNN-COMP scorer; ``forward`` maps a flat x to the flat outputs."""
     x, claimed = np.asarray(cex.x, dtype=np.float64), np.asarray(cex.y, dtype=np.float64)
     if x.shape != (prop.num_inputs,) or claimed.shape != (prop.num_outputs,):
-        return CheckResult(False, f"shape x{x.shape}/y{claimed.shape} does not match the property "
-                                  f"({prop.num_inputs} inputs, {prop.num_outputs} outputs)", float("nan"), None, None)
+        return CheckResult(
+            False,
+            f"shape x{x.shape}/y{claimed.shape} does not match the property "
+            f"({prop.num_inputs} inputs, {prop.num_outputs} outputs)",
+            float("nan"),
+            None,
+            None,
+        )
     if not np.all(np.isfinite(x)):
         i = int(np.flatnonzero(~np.isfinite(x))[0])
         return CheckResult(False, f"x[{i}]={float(x[i])!r} is not finite", float("nan"), None, None)
@@ -130,8 +136,9 @@ def check_counterexample(
 
     y = np.asarray(forward(x), dtype=np.float64).reshape(-1)
     if y.shape != claimed.shape:
-        return CheckResult(False, f"forward returned {y.size} outputs, expected {claimed.size}", float("nan"),
-                           inside[0], None)
+        return CheckResult(
+            False, f"forward returned {y.size} outputs, expected {claimed.size}", float("nan"), inside[0], None
+        )
     error = float(np.max(np.abs(y - claimed), initial=0.0))
     if not error <= tol:  # also rejects NaN
         return CheckResult(False, f"output mismatch {error:.3g} > {tol:g}", error, inside[0], None)
@@ -144,5 +151,6 @@ def check_counterexample(
             if violation <= tol:
                 return CheckResult(True, "ok", error, c, d)
             best = min(best, violation)
-    return CheckResult(False, f"no disjunct satisfied (best row violation {best:.3g} > {tol:g})", error,
-                       inside[0], None)
+    return CheckResult(
+        False, f"no disjunct satisfied (best row violation {best:.3g} > {tol:g})", error, inside[0], None
+    )

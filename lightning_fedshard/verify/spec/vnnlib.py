@@ -5,8 +5,10 @@ describing the *unsafe* set.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
+import operator
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,8 +151,9 @@ def _commands(exprs: list, source: str) -> tuple[dict[str, int], list[_Node]]:
             hint = " (VNN-LIB 2.0 is not supported)" if expr[0] in ("vnnlib-version", "declare-network") else ""
             raise VnnlibError(f"unknown command {_show(expr)}{hint}", source, expr.line)
     if not decls:
-        raise VnnlibError("no declare-const: the file declares no variables", source,
-                          asserts[0].line if asserts else None)
+        raise VnnlibError(
+            "no declare-const: the file declares no variables", source, asserts[0].line if asserts else None
+        )
     return decls, asserts
 
 
@@ -197,8 +200,9 @@ def _read_sexprs(text: str, source: str) -> list:
 
 def _declare(expr: _Node, decls: dict[str, int], source: str) -> None:
     if len(expr) != 3 or not isinstance(expr[1], str) or expr[2] != "Real":
-        raise VnnlibError(f"expected (declare-const X_i Real) or (declare-const Y_j Real), got {_show(expr)}",
-                          source, expr.line)
+        raise VnnlibError(
+            f"expected (declare-const X_i Real) or (declare-const Y_j Real), got {_show(expr)}", source, expr.line
+        )
     name = expr[1]
     if not _VAR.fullmatch(name):
         raise VnnlibError(f"unsupported variable name {name!r} (expected X_i or Y_j)", source, expr.line)
@@ -221,7 +225,7 @@ def _to_dnf(expr, line: int, decls: dict[str, int], source: str) -> list[list[_A
     op, args = expr[0], expr[1:]
     if op == "and":
         parts = [_to_dnf(a, expr.line, decls, source) for a in args]
-        return [sum(combo, []) for combo in itertools.product(*parts)]
+        return [functools.reduce(operator.iadd, combo, []) for combo in itertools.product(*parts)]
     if op == "or":
         return [conj for a in args for conj in _to_dnf(a, expr.line, decls, source)]
     if op in ("<=", "<", ">=", ">"):
