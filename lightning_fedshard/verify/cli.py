@@ -14,6 +14,8 @@ from lightning_fedshard.verify.instances import (
     model_forward,
     read_expected,
     read_instances,
+    read_results,
+    reference_results,
     run_instances,
     summarise,
     write_results,
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", type=Path, help="with --instances: one CSV row per instance")
     parser.add_argument(
         "--expected", type=Path, help="with --instances: expected verdicts CSV (default: expected_verdicts.csv beside)"
+    )
+    parser.add_argument(
+        "--summarise", nargs="+", type=Path, metavar="RESULTS", help="print the tables of earlier --results files"
     )
     parser.add_argument("--limit", type=int, help="with --instances: only the first N instances")
     parser.add_argument("--networks", nargs="+", help="with --instances: only the rows of these ONNX file names")
@@ -88,7 +93,20 @@ def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
         print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
         if args.results:
             write_results(args.results, rows)
+    return _tables(rows, expected_path)
+
+
+def _tables(rows: list, expected_path: Path) -> int:
+    """Print our table, and α,β-CROWN's next to ours on the instances it has a published result for."""
     print(summarise(rows))
+    reference = reference_results(expected_path, rows) if expected_path.is_file() else []
+    if reference:
+        published = {(r.onnx, r.vnnlib) for r in reference}
+        print(
+            f"\non the {len(reference)} instances with a published α,β-CROWN result (its times include ~7 s start-up):"
+        )
+        print("ours\n" + summarise([r for r in rows if (r.onnx, r.vnnlib) in published]))
+        print("α,β-CROWN (VNN-COMP 2022)\n" + summarise(reference))
     return 1 if any(row.wrong for row in rows) else 0
 
 
@@ -96,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fedshard verify``; returns the exit status (2 for bad input)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.summarise:
+        rows = [row for path in args.summarise for row in read_results(path)]
+        return _tables(rows, args.expected or Path(args.summarise[0]).parent / "expected_verdicts.csv")
     if args.instances is None and (args.onnx is None or args.vnnlib is None):
         parser.error("give ONNX and VNNLIB, or --instances CSV")
     if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):

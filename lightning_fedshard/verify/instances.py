@@ -23,6 +23,8 @@ __all__ = [
     "InstanceResult",
     "model_forward",
     "read_instances",
+    "read_results",
+    "reference_results",
     "run_instances",
     "summarise",
     "write_results",
@@ -82,6 +84,33 @@ def read_expected(path: str | Path) -> dict[tuple[str, str], str]:
     """``expected_verdicts.csv`` (header ``onnx,vnnlib,…,expected``) keyed by file names."""
     with Path(path).open(newline="") as f:
         return {(Path(r["onnx"]).name, Path(r["vnnlib"]).name): r["expected"] for r in csv.DictReader(f)}
+
+
+def reference_results(path: str | Path, rows: list[InstanceResult]) -> list[InstanceResult]:
+    """The published α,β-CROWN result (columns ``abcrown_result``, ``abcrown_time_s`` of the expected-verdicts
+    CSV) for each of ``rows`` that has one, scored like ours, to print next to our table."""
+    with Path(path).open(newline="") as f:
+        published = {(Path(r["onnx"]).name, Path(r["vnnlib"]).name): r for r in csv.DictReader(f)}
+    reference = []
+    for row in rows:
+        entry = published.get((row.onnx, row.vnnlib))
+        if entry is None or "abcrown_result" not in entry:
+            continue
+        verdict = entry["abcrown_result"]
+        # Its counterexamples were validated by the organisers; a sat that contradicts the consensus is wrong.
+        wrong, score = _score(verdict, entry["expected"], "yes")
+        reference.append(
+            InstanceResult(
+                row.onnx,
+                row.vnnlib,
+                verdict,
+                float(entry["abcrown_time_s"]),
+                expected=entry["expected"],
+                wrong=wrong,
+                score=score,
+            )
+        )
+    return reference
 
 
 def model_forward(onnx_path: str | Path, graph: BoundGraph | None = None) -> Callable[[np.ndarray], np.ndarray]:
@@ -157,11 +186,24 @@ def write_results(path: str | Path, rows: list[InstanceResult]) -> None:
         writer.writerows(asdict(row) for row in rows)
 
 
+def read_results(path: str | Path) -> list[InstanceResult]:
+    """Rows written by :func:`write_results` (to summarise runs again, or several shards of one benchmark)."""
+    with Path(path).open(newline="") as f:
+        return [
+            InstanceResult(
+                **{**r, "time_s": float(r["time_s"]), "wrong": r["wrong"] == "True", "score": int(r["score"])}
+            )
+            for r in csv.DictReader(f)
+        ]
+
+
 def summarise(rows: list[InstanceResult]) -> str:
     """Per network: verified, falsified, unknown, timeouts, errors, wrong answers, median time; then the score."""
     lines = [
-        (f"{'network':<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
-        f"{'wrong':>5} {'median s':>8} {'score':>6}")
+        (
+            f"{'network':<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
+            f"{'wrong':>5} {'median s':>8} {'score':>6}"
+        )
     ]
     groups: dict[str, list[InstanceResult]] = {}
     for row in rows:

@@ -191,7 +191,12 @@ def test_cli_instances_scores_a_benchmark(tmp_path, capsys):
     table = list(csv.DictReader(results.open()))
     assert [r["verdict"] for r in table] == ["unsat", "sat"]
     assert [r["score"] for r in table] == ["10", "10"] and table[1]["counterexample_ok"] == "yes"
-    assert "total" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "total" in out and "α,β-CROWN (VNN-COMP 2022)" in out
+    # The tables can be printed again from the results file alone.
+    assert verify_main(["--summarise", str(results), "--expected", str(MNIST / "expected_verdicts.csv")]) == 0
+    again = capsys.readouterr().out
+    assert again.splitlines()[-1].split() == ["total", "2", "1", "1", "0", "0", "0", "0", again.split()[-2], "20"]
 
 
 def test_bad_files_give_clear_errors(tmp_path, capsys):
