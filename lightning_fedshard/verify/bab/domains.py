@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -9,7 +10,9 @@ from torch import Tensor
 
 from lightning_fedshard.verify.ops import Interval
 
-__all__ = ["DomainBatch"]
+__all__ = ["DomainBatch", "DomainPool"]
+
+_SPEC_MAJOR = ("betas", "alphas")
 
 
 @dataclass
@@ -25,8 +28,8 @@ class DomainBatch:
 
     Example::
 
-        pool = DomainBatch.concat([pool, children.take(alive)])
-        worst = pool.take(pool_value.argsort()[:64])
+        children = parents.split(pre_activations, parents.branch_layer, parents.branch_neuron)
+        alive = children.take(open_index)
     """
 
     lower: dict[str, Tensor]
@@ -45,37 +48,39 @@ class DomainBatch:
     def bounds(self) -> dict[str, Interval]:
         return {name: Interval(self.lower[name], self.upper[name]) for name in self.lower}
 
-    def _map(self, per_domain, per_spec) -> DomainBatch:
-        """A new batch with ``per_domain`` applied to ``[N, …]`` tensors and ``per_spec`` to ``[S, N, …]``."""
-        values = {}
+    def _leaves(self) -> list[tuple[Tensor, int]]:
+        """Every tensor with its domain dimension (1 for the spec-major ``alphas``/``betas``), in field order."""
+        leaves = []
+        for f in fields(self):
+            value, dim = getattr(self, f.name), 1 if f.name in _SPEC_MAJOR else 0
+            leaves += [(v, dim) for v in value.values()] if isinstance(value, dict) else [(value, dim)]
+        return leaves
+
+    def _rebuild(self, tensors: list[Tensor]) -> DomainBatch:
+        """A batch of the same layout as this one holding ``tensors`` (in :meth:`_leaves` order)."""
+        values, position = {}, iter(tensors)
         for f in fields(self):
             value = getattr(self, f.name)
-            spec_major = f.name in ("betas", "alphas")
-            apply = per_spec if spec_major else per_domain
-            values[f.name] = {k: apply(v) for k, v in value.items()} if isinstance(value, dict) else apply(value)
+            values[f.name] = {k: next(position) for k in value} if isinstance(value, dict) else next(position)
         return DomainBatch(**values)
 
     def take(self, index: Tensor) -> DomainBatch:
-        return self._map(lambda t: t[index], lambda t: t[:, index])
+        return self._rebuild([t.index_select(dim, index) for t, dim in self._leaves()])
+
+    def narrow(self, count: int) -> DomainBatch:
+        """The first ``count`` domains, as views."""
+        return self._rebuild([t.narrow(dim, 0, count) for t, dim in self._leaves()])
 
     def repeat(self, times: int) -> DomainBatch:
         """``times`` copies one after another (domain ``i`` of copy ``c`` is row ``c·N + i``)."""
-        return self._map(
-            lambda t: t.repeat(times, *([1] * (t.dim() - 1))), lambda t: t.repeat(1, times, *([1] * (t.dim() - 2)))
+        return self._rebuild(
+            [t.repeat(*[times if d == dim else 1 for d in range(t.dim())]) for t, dim in self._leaves()]
         )
 
-    @staticmethod
-    def concat(batches: list[DomainBatch]) -> DomainBatch:
-        first = batches[0]
-        values = {}
-        for f in fields(first):
-            parts = [getattr(b, f.name) for b in batches]
-            dim = 1 if f.name in ("betas", "alphas") else 0
-            if isinstance(parts[0], dict):
-                values[f.name] = {k: torch.cat([p[k] for p in parts], dim) for k in parts[0]}
-            else:
-                values[f.name] = torch.cat(parts, dim)
-        return DomainBatch(**values)
+    def assign(self, index: Tensor, source: DomainBatch) -> None:
+        """Overwrite domains ``index`` with those of ``source`` (in place)."""
+        for (t, dim), (s, _) in zip(self._leaves(), source._leaves(), strict=True):
+            t.index_copy_(dim, index, s)
 
     def split(self, pre_activations: list[str], layer: Tensor, neuron: Tensor) -> DomainBatch:
         """The two children of every domain for the splits ``(layer, neuron) [N]``: rows ``0..N-1`` assume the
@@ -96,3 +101,53 @@ class DomainBatch:
             splits[inactive, which] = -1
         children.depth = children.depth + 1
         return children
+
+
+class DomainPool:
+    """The open domains of a branch-and-bound run, stored in preallocated tensors that grow by doubling, so that
+    taking the worst domains and adding children cost O(batch) copies, not O(pool).
+
+    Example::
+
+        pool = DomainPool(root)
+        worst = pool.pop_worst(256, spec.value)
+        pool.push(open_children)
+    """
+
+    def __init__(self, first: DomainBatch) -> None:
+        self._storage = first.repeat(1)
+        self._size = len(first)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def view(self) -> DomainBatch:
+        return self._storage.narrow(self._size)
+
+    def push(self, domains: DomainBatch) -> None:
+        count, capacity = len(domains), len(self._storage)
+        if self._size + count > capacity:
+            grown = max(2 * capacity, self._size + count)
+            self._storage = self._storage._rebuild(
+                [
+                    torch.cat([t, t.new_zeros(*t.shape[:dim], grown - capacity, *t.shape[dim + 1 :])], dim)
+                    for t, dim in self._storage._leaves()
+                ]
+            )
+        self._storage.assign(torch.arange(self._size, self._size + count), domains)
+        self._size += count
+
+    def pop_worst(self, count: int, value: Callable[[Tensor], Tensor]) -> DomainBatch:
+        """Remove and return the ``count`` domains of lowest ``value(margins)``; the last open domains move into
+        the rows that frees."""
+        n = self._size
+        picked = value(self.view().margins).argsort()[:count]
+        taken, count = self._storage.take(picked), picked.numel()
+        is_picked = torch.zeros(n, dtype=torch.bool)
+        is_picked[picked] = True
+        holes = picked[picked < n - count]
+        tail = (n - count) + (~is_picked[n - count :]).nonzero().flatten()
+        if holes.numel():
+            self._storage.assign(holes, self._storage.take(tail))
+        self._size = n - count
+        return taken

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.branching import choose_branches
-from lightning_fedshard.verify.bab.domains import DomainBatch
+from lightning_fedshard.verify.bab.domains import DomainBatch, DomainPool
 from lightning_fedshard.verify.bounds.alpha import AlphaResult
 from lightning_fedshard.verify.bounds.beta import beta_crown
 from lightning_fedshard.verify.config import Verdict, VerifyConfig
@@ -106,21 +106,19 @@ def branch_and_bound(
     """Decide the case that α-CROWN could not prove at the root (``root``: its bounds and slopes)."""
     pres = [relu.inputs[0] for relu in graph.relus]
     relu_names = [relu.name for relu in graph.relus]
-    pool = _root_domain(graph, spec, root)
+    start = _root_domain(graph, spec, root)
     with torch.no_grad():
-        first = beta_crown(graph, box, spec.rows(1), pool, iterations=0, keep=relu_names)
-    if not choose_branches(graph, box, spec, pool, first.kept, config.branching_candidates).all():
+        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=relu_names)
+    if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates).all():
         return BabOutcome(Verdict.UNKNOWN, None, 0, 0, 1)
+    pool = DomainPool(start)
     bounded, max_depth, rounds, stuck = 0, 0, 0, False
     while len(pool):
         if time.monotonic() > deadline:
             return BabOutcome(Verdict.TIMEOUT, None, bounded, max_depth, len(pool))
         if len(pool) > config.max_domains:
             return BabOutcome(Verdict.UNKNOWN, None, bounded, max_depth, len(pool))
-        value = spec.value(pool.margins)
-        order = value.argsort()
-        picked, rest = order[: config.batch_size], order[config.batch_size :]
-        parents, pool = pool.take(picked), pool.take(rest)
+        parents = pool.pop_worst(config.batch_size, spec.value)
         children = parents.split(pres, parents.branch_layer, parents.branch_neuron)
         n = len(children)
         result = beta_crown(
@@ -155,5 +153,5 @@ def branch_and_bound(
         splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates)
         if not bool(splittable.all()):
             stuck = stuck or not _settle(graph, spec, box, children.take((~splittable).nonzero().flatten()), config)
-        pool = DomainBatch.concat([pool, children.take(splittable.nonzero().flatten())])
+        pool.push(children.take(splittable.nonzero().flatten()))
     return BabOutcome(Verdict.UNKNOWN if stuck else Verdict.UNSAT, None, bounded, max_depth, 0)
