@@ -5,23 +5,16 @@ from __future__ import annotations
 import csv
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from lightning_fedshard.verify.config import Verdict, VerifyConfig
-from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.onnx_loader import load_onnx
-from lightning_fedshard.verify.spec import check_counterexample, read_vnnlib
-from lightning_fedshard.verify.verifier import VerificationResult, verify
+from lightning_fedshard.verify.config import VerifyConfig
+from lightning_fedshard.verify.verifier import VerificationResult, verify_files
 
 __all__ = [
     "Instance",
     "InstanceResult",
-    "model_forward",
     "read_instances",
     "read_results",
     "reference_results",
@@ -113,31 +106,6 @@ def reference_results(path: str | Path, rows: list[InstanceResult]) -> list[Inst
     return reference
 
 
-def model_forward(onnx_path: str | Path, graph: BoundGraph | None = None) -> Callable[[np.ndarray], np.ndarray]:
-    """Flat-input forward pass on the ONNX model for replaying counterexamples: onnxruntime where installed
-    (independent of our loader), else the loaded graph."""
-    try:
-        import onnxruntime
-    except ImportError:
-        graph = graph if graph is not None else load_onnx(onnx_path)
-
-        def run_graph(x: np.ndarray) -> np.ndarray:
-            with torch.no_grad():
-                return graph(torch.as_tensor(x, dtype=graph.dtype).view(1, -1)).double().numpy().ravel()
-
-        return run_graph
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    (inp,) = session.get_inputs()
-    shape = [1 if not isinstance(d, int) else d for d in inp.shape]
-
-    def run_session(x: np.ndarray) -> np.ndarray:
-        return (
-            session.run(None, {inp.name: np.asarray(x, dtype=np.float32).reshape(shape)})[0].astype(np.float64).ravel()
-        )
-
-    return run_session
-
-
 def _score(verdict: str, expected: str, counterexample_ok: str) -> tuple[bool, int]:
     """(wrong, points): a ``sat`` must carry a counterexample that replays; an answer contradicting a known
     verdict is wrong."""
@@ -155,14 +123,12 @@ def run_instance(
     row = InstanceResult(instance.onnx.name, instance.vnnlib.name, "error", 0.0, expected=expected)
     result = None
     try:
-        graph = load_onnx(instance.onnx)
-        prop = read_vnnlib(instance.vnnlib, graph.input.size, graph.output.size)
-        remaining = max(instance.timeout - (time.monotonic() - start), 1e-3)
-        result = verify(graph, prop, replace(config, timeout=remaining))
+        result = verify_files(instance.onnx, instance.vnnlib, replace(config, timeout=instance.timeout))
         row.verdict, row.decided_by = result.verdict.value, result.decided_by or ""
-        if result.verdict is Verdict.SAT:
-            check = check_counterexample(result.counterexample, prop, model_forward(instance.onnx, graph))
-            row.counterexample_ok = "yes" if check.ok else f"no: {check.reason}"
+        if result.counterexample_check:
+            row.counterexample_ok = (
+                "yes" if result.counterexample_check == "ok" else f"no: {result.counterexample_check}"
+            )
     except (OSError, ValueError) as error:
         row.error = f"{type(error).__name__}: {error}"
     row.time_s = round(time.monotonic() - start, 3)

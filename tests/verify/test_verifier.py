@@ -25,9 +25,10 @@ from lightning_fedshard.verify import (
     verify_files,
 )
 from lightning_fedshard.verify.cli import main as verify_main
-from lightning_fedshard.verify.instances import model_forward, read_instances, run_instance, summarise
+from lightning_fedshard.verify.instances import read_instances, run_instance, summarise
 from lightning_fedshard.verify.ops import Linear, ReLU
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
+from lightning_fedshard.verify.verifier import model_forward
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
 needs_mnist = pytest.mark.skipif(not MNIST.is_dir(), reason="../shared/vnncomp/mnist_fc_2022 is absent")
@@ -64,6 +65,21 @@ def test_mnist_verdicts_match_the_competition(onnx, vnnlib):
     else:
         assert result.counterexample is None
         assert all(len(rows) == 9 for rows in result.root_margins)
+
+
+@needs_mnist
+def test_a_counterexample_that_does_not_replay_is_not_reported(monkeypatch):
+    import lightning_fedshard.verify.verifier as verifier
+
+    def shifted(onnx_path, graph=None):
+        forward = model_forward(onnx_path, graph)
+        return lambda x: forward(x) + 1e-3  # a model that disagrees with ours by more than the 1e-4 tolerance
+
+    monkeypatch.setattr(verifier, "model_forward", shifted)
+    onnx, vnnlib = MNIST / "onnx" / "mnist-net_256x2.onnx", MNIST / "vnnlib" / "prop_1_0.03.vnnlib"
+    result = verify_files(onnx, vnnlib, VerifyConfig(timeout=30))
+    assert result.verdict is Verdict.UNKNOWN and result.counterexample is None
+    assert "mismatch" in result.counterexample_check
 
 
 @needs_mnist
