@@ -61,7 +61,7 @@ class BoundGraph:
         self.input = self.nodes[0]
         self.output = self.by_name[output] if output is not None else self.nodes[-1]
         self.relus = [node for node in self.nodes if isinstance(node.op, ReLU)]
-        #: The pre-activation node of each ReLU node: the bounds that branch-and-bound splits on.
+        #: The pre-activation node of each ReLU node, in ReLU order: the bounds that branch-and-bound splits on.
         self.pre_activation = {relu.name: relu.inputs[0] for relu in self.relus}
         self._ancestors: dict[str, list[Node]] = {}
         self._ibp_exact: dict[str, bool] = {}

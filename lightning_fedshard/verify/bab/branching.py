@@ -80,7 +80,7 @@ def choose_branches(
         layer, neuron = _locate(graph, top[:, 0])
         domains.branch_layer, domains.branch_neuron = layer, neuron
         return top_scores[:, 0].isfinite()
-    pres = [relu.inputs[0] for relu in graph.relus]
+    pres = list(graph.pre_activation.values())
     n = len(domains)
     layer, neuron = _locate(graph, top.T.reshape(-1))  # candidate-major: [k·N]
     trials = domains.repeat(k).split(pres, layer, neuron)  # [2·k·N]: active children, then inactive

@@ -44,7 +44,7 @@ class BabOutcome:
 
 
 def _root_domain(graph: BoundGraph, spec: OutputSpec, root: AlphaResult) -> DomainBatch:
-    pres = [relu.inputs[0] for relu in graph.relus]
+    pres = list(graph.pre_activation.values())
     lower = {pre: root.bounds[pre].lower for pre in pres}
     return DomainBatch(
         lower=lower,
@@ -59,9 +59,7 @@ def _root_domain(graph: BoundGraph, spec: OutputSpec, root: AlphaResult) -> Doma
     )
 
 
-def _primal_counterexample(
-    graph: BoundGraph, spec: OutputSpec, box: Interval, corners: Tensor, margins: Tensor
-) -> Tensor | None:
+def _primal_counterexample(graph: BoundGraph, spec: OutputSpec, corners: Tensor, margins: Tensor) -> Tensor | None:
     """The first minimising corner ``[S, N, *input]`` of an open row that is a real counterexample."""
     order = margins.T.flatten().argsort()[:_PRIMAL_CHECKS]
     order = order[margins.T.flatten()[order] <= 0]
@@ -104,7 +102,7 @@ def branch_and_bound(
     generator: torch.Generator | None = None,
 ) -> BabOutcome:
     """Decide the case that α-CROWN could not prove at the root (``root``: its bounds and slopes)."""
-    pres = [relu.inputs[0] for relu in graph.relus]
+    pres = list(graph.pre_activation.values())
     relu_names = [relu.name for relu in graph.relus]
     start = _root_domain(graph, spec, root)
     with torch.no_grad():
@@ -138,7 +136,7 @@ def branch_and_bound(
         bounded, rounds = bounded + n, rounds + 1
         max_depth = max(max_depth, int(children.depth.max()))
         corners = result.minimiser(box)
-        cex = _primal_counterexample(graph, spec, box, corners, children.margins)
+        cex = _primal_counterexample(graph, spec, corners, children.margins)
         if cex is None and config.attack_every and rounds % config.attack_every == 0:
             worst = children.margins.T.flatten().argsort()[:8]
             starts = corners.flatten(0, 1)[worst]
