@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Interval
+from lightning_fedshard.verify.shard.lockstep import past
 
 __all__ = ["pgd_attack"]
 
@@ -46,7 +45,7 @@ def pgd_attack(
             found = (value <= 0).nonzero()
             if found.numel():
                 return x[found[0, 0]].detach().clone()
-            if t == steps or (deadline is not None and time.monotonic() > deadline):
+            if t == steps or past(deadline):
                 return None
             x = torch.minimum(torch.maximum(x - step * 0.97**t * grad.sign(), lower), upper)
     return None

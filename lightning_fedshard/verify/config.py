@@ -58,6 +58,9 @@ class VerifyConfig:
     max_domains: int = 200_000
     #: Intersect CROWN's intermediate bounds with interval bounds (tighter; off reproduces auto_LiRPA).
     intersect_ibp: bool = True
+    #: Count live tensor memory during the run: exact on CPU, but ~5 µs per op (2.3× the time of a small-net
+    #: search), so off unless asked for; on CUDA the allocator's statistics, at no cost.
+    measure_memory: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

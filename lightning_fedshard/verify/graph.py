@@ -66,13 +66,17 @@ class BoundGraph:
         self._ancestors: dict[str, list[Node]] = {}
         self._ibp_exact: dict[str, bool] = {}
 
+    def constants(self) -> list[Tensor]:
+        """Every tensor the ops hold (weights, biases, shards; placeholders on the meta device included)."""
+        return [value for node in self.nodes[1:] for value in vars(node.op).values() if isinstance(value, Tensor)]
+
     @property
     def dtype(self) -> torch.dtype:
-        for node in self.nodes[1:]:
-            for value in vars(node.op).values():
-                if isinstance(value, Tensor) and value.is_floating_point():
-                    return value.dtype
-        return torch.float32
+        return next((t.dtype for t in self.constants() if t.is_floating_point()), torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return next((t.device for t in self.constants() if t.device.type != "meta"), torch.device("cpu"))
 
     def __call__(self, x: Tensor) -> Tensor:
         """Forward pass: ``x [B, *input shape]`` (or flat ``[B, input size]``) → ``[B, *output shape]``."""

@@ -9,15 +9,16 @@ back to ``[0, 1]``, and the best bound seen for every row (and every intermediat
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
+from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.shard.lockstep import agree, past
+from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = ["AlphaResult", "alpha_crown", "initial_alphas"]
 
@@ -59,52 +60,64 @@ def alpha_crown(
     stop_above: Tensor | None = None,
     deadline: float | None = None,
     intersect_ibp: bool = True,
+    partition: RowPartition | None = None,
 ) -> AlphaResult:
     """Optimise the lower bound of ``Σ C·output`` (``C [S, B, *output shape]``) over ``box``.
 
     Stops early once every row's bound exceeds ``stop_above [S, B]`` (the property is proven), or at
-    ``deadline`` (a ``time.monotonic()`` value).
+    ``deadline`` (a ``time.monotonic()`` value). With a ``partition`` every pass bounds only this rank's chunk of
+    its rows, so this rank holds only that chunk's slopes (and their optimiser state); the returned output slopes
+    are gathered whole.
     """
     output = graph.output.name
     refined: dict[str, Tensor] = {}
+
+    def local_rows(n: int) -> int:
+        return n if partition is None else len(range(n)[partition.span(n)])
+
     with torch.no_grad():
-        reference = intermediate_bounds(graph, box, intersect_ibp=intersect_ibp, used_rows=refined)
-        crown_lower = backward_bound(graph, output, C, box, reference).lower
+        reference = intermediate_bounds(graph, box, intersect_ibp=intersect_ibp, used_rows=refined, partition=partition)
+        crown_lower = spec_lower(graph, C, box, reference, partition=partition)
     refined = {pre: index for pre, index in refined.items() if index.numel()}
-    alphas = {pre: initial_alphas(graph, pre, 2 * index.numel(), reference) for pre, index in refined.items()}
-    alphas[output] = initial_alphas(graph, output, C.shape[0], reference)
+    alphas = {
+        pre: initial_alphas(graph, pre, 2 * local_rows(index.numel()), reference) for pre, index in refined.items()
+    }
+    alphas[output] = initial_alphas(graph, output, local_rows(C.shape[0]), reference)
     parameters = [alpha.requires_grad_() for per_start in alphas.values() for alpha in per_start.values()]
 
     best_lower = crown_lower.clone()
     best_bounds = {pre: reference[pre] for pre in graph.pre_activation.values() if pre in reference}
     best_alphas = {relu: alpha.detach().clone() for relu, alpha in alphas[output].items()}
     if not parameters:
-        return AlphaResult(best_lower, best_bounds, best_alphas, 0)
+        return AlphaResult(best_lower, best_bounds, _whole(best_alphas, C.shape[0], partition), 0)
 
     optimizer = torch.optim.Adam(parameters, lr=lr)
     schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, lr_decay)
     done = 0
     for done in range(1, iterations + 1):
-        if deadline is not None and time.monotonic() > deadline:
+        if past(deadline):
             break
-        if stop_above is not None and bool((best_lower > stop_above).all()):
+        if agree(stop_above is not None and bool((best_lower > stop_above).all())):
             break
         with torch.enable_grad():
             # No intersection with interval or earlier bounds here: where those are tighter they would take
             # the gradient away from the slopes that could make CROWN tighter still.
-            bounds = intermediate_bounds(graph, box, alphas, None, refined, intersect_ibp=False)
+            bounds = intermediate_bounds(graph, box, alphas, None, refined, intersect_ibp=False, partition=partition)
             for pre, best in best_bounds.items():
                 now = bounds[pre]
                 best_bounds[pre] = Interval(
                     torch.maximum(best.lower, now.lower.detach()), torch.minimum(best.upper, now.upper.detach())
                 )
-            lower = backward_bound(graph, output, C, box, bounds, alphas[output]).lower
+            lower = spec_lower(graph, C, box, bounds, alphas[output], partition)
             # The same slopes over the tightest intermediate bounds known: the bound branch-and-bound starts from.
-            lower_best = backward_bound(graph, output, C, box, best_bounds, alphas[output]).lower
+            lower_best = spec_lower(graph, C, box, best_bounds, alphas[output], partition)
             optimizer.zero_grad(set_to_none=True)
-            (-(lower.sum() + lower_best.sum())).backward()
+            # Sharded, each rank's objective is its own rows: the ranks' objectives sum to the whole, and the row
+            # exchanges sum their gradients (replicated steps in between see only their rank's objective).
+            mine = slice(None) if partition is None else partition.span(C.shape[0])
+            (-(lower[mine].sum() + lower_best[mine].sum())).backward()
         with torch.no_grad():
-            improved = lower_best.detach() > best_lower
+            improved = (lower_best.detach() > best_lower)[mine]
             for relu, alpha in alphas[output].items():
                 mask = improved.view(*improved.shape, *([1] * (alpha.dim() - 2)))
                 best_alphas[relu] = torch.where(mask, alpha.detach(), best_alphas[relu])
@@ -113,4 +126,10 @@ def alpha_crown(
             schedule.step()
             for alpha in parameters:
                 alpha.clamp_(0, 1)
-    return AlphaResult(best_lower, best_bounds, best_alphas, done)
+    return AlphaResult(best_lower, best_bounds, _whole(best_alphas, C.shape[0], partition), done)
+
+
+def _whole(alphas: dict[str, Tensor], rows: int, partition: RowPartition | None) -> dict[str, Tensor]:
+    if partition is None:
+        return alphas
+    return {relu: partition.gather(alpha, rows) for relu, alpha in alphas.items()}

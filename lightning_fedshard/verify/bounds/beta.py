@@ -9,7 +9,6 @@ stay those of the parent, clamped by the splits (sound, since a child's inputs a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 
 import torch
@@ -19,6 +18,7 @@ from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval
+from lightning_fedshard.verify.shard.lockstep import agree, past
 
 __all__ = ["beta_crown"]
 
@@ -56,9 +56,9 @@ def beta_crown(
             [{"params": list(alphas.values()), "lr": lr_alpha}, {"params": list(betas.values()), "lr": lr_beta}]
         )
         for _ in range(iterations):
-            if stop_above is not None and bool((best > stop_above).all()):
+            if agree(stop_above is not None and bool((best > stop_above).all())):
                 break
-            if deadline is not None and time.monotonic() > deadline:
+            if past(deadline):
                 break
             with torch.enable_grad():
                 lower = _bound(graph, box, C, trial, ()).lower

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract
+from lightning_fedshard.verify.shard.rows import RowPartition
 
-__all__ = ["Backward", "backward_bound", "intermediate_bounds", "selection_rows", "unstable_neurons"]
+__all__ = ["Backward", "backward_bound", "intermediate_bounds", "selection_rows", "spec_lower", "unstable_neurons"]
 
 
 @dataclass
@@ -56,12 +57,22 @@ def backward_bound(
 ) -> Backward:
     """Lower bound of ``Σ C·start`` over ``box``; ``C [S, B, *start shape]`` dense, or :class:`Patches`.
 
-    ``bounds`` must hold the pre-activation bounds of every ReLU the pass crosses. ``alphas`` maps ReLU node
+    ``bounds`` must hold the pre-activation bounds of every ReLU the pass crosses; other ops that need their
+    inputs' intervals (tensor-parallel zones) get them by interval propagation from the nearest known bounds.
+    ``alphas`` maps ReLU node
     names to lower slopes ``[S, B, *shape]`` (else CROWN's adaptive slopes); ``betas`` maps pre-activation
     names to β-CROWN's signed Lagrangian terms ``β·s`` (``s = +1`` for an active split ``z ≥ 0``, ``-1`` for an
     inactive one), subtracted from the coefficients arriving there (dense passes only). Patches reaching an op
     without ``accepts_patches`` (Reshape, Linear) are made dense there.
     """
+    known = {graph.input.name: box, **bounds}
+
+    def interval(name: str) -> Interval:
+        if name not in known:
+            node = graph.by_name[name]
+            known[name] = node.op.ibp(*(interval(source) for source in node.inputs))
+        return known[name]
+
     pending = {start: C}
     bias: Tensor | int = 0
     kept: dict[str, Tensor] = {}
@@ -79,8 +90,8 @@ def backward_bound(
             continue
         if isinstance(A, Patches) and not node.op.accepts_patches:
             A = A.to_dense()
-        needs_bounds = isinstance(node.op, ReLU)
-        inputs = [bounds[name] for name in node.inputs] if needs_bounds else [None] * len(node.inputs)
+        needs_bounds = node.op.needs_input_bounds
+        inputs = [interval(name) for name in node.inputs] if needs_bounds else [None] * len(node.inputs)
         alpha = alphas.get(node.name) if alphas is not None else None
         A_inputs, term = node.op.backward(A, inputs, alpha)
         if term is not None:
@@ -94,6 +105,22 @@ def backward_bound(
     if input_A is not None:
         lower = lower + contract(input_A, box.center) - contract(input_A.abs(), box.radius)
     return Backward(lower, input_A, kept)
+
+
+def spec_lower(
+    graph: BoundGraph,
+    C: Tensor,
+    box: Interval,
+    bounds: Mapping[str, Interval],
+    alphas: Mapping[str, Tensor] | None = None,
+    partition: RowPartition | None = None,
+) -> Tensor:
+    """Lower bounds ``[S, B]`` of the output spec rows ``C [S, B, *output shape]``; with a ``partition`` this rank
+    bounds only its chunk of the rows (``alphas`` are that chunk's) and the ranks exchange the results."""
+    if partition is None:
+        return backward_bound(graph, graph.output.name, C, box, bounds, alphas).lower
+    local = backward_bound(graph, graph.output.name, partition.chunk(C), box, bounds, alphas).lower
+    return partition.gather(local, C.shape[0])
 
 
 def unstable_neurons(pre: Interval) -> Tensor:
@@ -139,6 +166,7 @@ def intermediate_bounds(
     intersect_ibp: bool = True,
     used_rows: dict[str, Tensor] | None = None,
     conv_mode: str = "patches",
+    partition: RowPartition | None = None,
 ) -> dict[str, Interval]:
     """Bounds of every node up to the output: interval propagation, with each pre-activation node tightened by
     CROWN on its unstable neurons (``crown=False``: IBP alone).
@@ -154,6 +182,9 @@ def intermediate_bounds(
     ``conv_mode="patches"`` starts the passes of convolutional pre-activation nodes ``(C, H, W)`` (those behind a
     convolution) from :class:`Patches` rows, unless α slopes are given for them (α is per row and dense anyway);
     ``"matrix"`` uses dense rows everywhere. Both give the same bounds up to rounding.
+
+    With a ``partition`` each pass bounds only this rank's chunk of the refined neurons (``alphas`` hold that
+    chunk's rows) and the ranks exchange the results: every rank ends with all the bounds.
     """
     if conv_mode not in ("patches", "matrix"):
         raise ValueError(f"conv_mode must be 'patches' or 'matrix', got {conv_mode!r}")
@@ -172,13 +203,18 @@ def intermediate_bounds(
                     used_rows[node.name] = index
                 if index.numel():
                     start_alphas = alphas.get(node.name) if alphas is not None else None
+                    mine = index if partition is None else index[partition.span(index.numel())]
                     if conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name):
-                        C = Patches.identity(index, batch, node.shape, interval.lower.dtype)
+                        C = Patches.identity(mine, batch, node.shape, interval.lower.dtype)
                     else:
-                        C = selection_rows(index, batch, node.shape, interval.lower.dtype)
+                        C = selection_rows(mine, batch, node.shape, interval.lower.dtype)
                     lower = backward_bound(graph, node.name, C, box, bounds, start_alphas).lower
-                    U = index.numel()
-                    interval = _refine(interval, index, lower[:U].T, -lower[U:].T, intersect_ibp)
+                    U = mine.numel()
+                    lower, upper = lower[:U], -lower[U:]
+                    if partition is not None:
+                        both = partition.gather(torch.stack([lower, upper], 1), index.numel())
+                        lower, upper = both[:, 0], both[:, 1]
+                    interval = _refine(interval, index, lower.T, upper.T, intersect_ibp)
         bounds[node.name] = interval
         if node is graph.output:
             break

@@ -69,6 +69,8 @@ class BoundOp(ABC):
     onnx_types: tuple[str, ...] = ()
     #: Whether :meth:`backward` takes :class:`Patches` coefficients; other ops are handed dense ones.
     accepts_patches: bool = False
+    #: Whether :meth:`backward` needs the intervals of its inputs (relaxations of non-linear ops do).
+    needs_input_bounds: bool = False
 
     @abstractmethod
     def forward(self, *inputs: Tensor) -> Tensor: ...

@@ -27,6 +27,7 @@ class ReLU(BoundOp):
 
     onnx_types = ("Relu",)
     accepts_patches = True  # backward only clamps, multiplies by [B, *shape] slopes, adds and contracts
+    needs_input_bounds = True
 
     def forward(self, x: Tensor) -> Tensor:
         return x.clamp(min=0)

@@ -1,0 +1,181 @@
+"""Sharded bound propagation on several gloo ranks, for tests/verify/test_sharding.py.
+
+Usage: python -m tests.verify.shard_worker OUT_DIR WORLD WITH_BAB [PLAN ...] — spawns WORLD ranks; each runs every
+case of :func:`cases` (root bounds, and the whole verifier if WITH_BAB is 1) under every plan of :data:`PLANS` (or
+those named) and saves what it computed to ``OUT_DIR/rank<r>.pt``. The test computes the
+single-process references itself (:func:`compute`, with ``plan=None``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_fedshard.verify import VerifyConfig, load_onnx, read_vnnlib, verify
+from lightning_fedshard.verify.bounds.alpha import alpha_crown
+from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
+from lightning_fedshard.verify.objective import OutputSpec, box_tensor
+from lightning_fedshard.verify.shard.lockstep import lockstep
+from lightning_fedshard.verify.shard.plan import ShardPlan
+from lightning_fedshard.verify.spec import Case, Property
+from lightning_fedshard.verify.spec.vnnlib import Disjunct, InputBox
+from tests.verify.test_patches import _resnet
+
+MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
+PLANS = {"fsdp": {"strategy": "fsdp"}, "rows": {"strategy": "tp"}, "zones": {"strategy": "tp", "tp_mode": "zones"}}
+#: α-CROWN iterations for root bounds (short: equality is what is tested, not tightness).
+ALPHA_ITERATIONS = 8
+#: Zones are looser (their ReLUs are neither optimised nor split), so their searches get a short budget: what is
+#: tested is that they never contradict the single-process verdict.
+ZONES_TIMEOUT_S = 3.0
+
+
+def robustness(center: np.ndarray, eps: float, label: int, outputs: int) -> Property:
+    """``argmax = label`` on the L∞ ball: one disjunct ``y_label − y_j ≤ 0`` per other class."""
+    disjuncts = []
+    for j in range(outputs):
+        if j != label:
+            row = np.zeros((1, outputs))
+            row[0, label], row[0, j] = 1, -1
+            disjuncts.append(Disjunct(row, np.zeros(1)))
+    box = InputBox(np.clip(center - eps, 0, 1), np.clip(center + eps, 0, 1))
+    return Property(center.size, outputs, (Case(box, tuple(disjuncts)),))
+
+
+def resnet() -> tuple[BoundGraph, Property]:
+    graph = _resnet((3, 12, 12), width=4, dtype=torch.float32)
+    center = torch.rand(graph.input.size, generator=torch.Generator().manual_seed(3)).double().numpy()
+    label = int(graph(torch.as_tensor(center, dtype=torch.float32).view(1, -1)).argmax())
+    return graph, robustness(center, 0.02, label, 10)  # unsat after 8 domains
+
+
+def mnist(net: str, prop: str) -> tuple[BoundGraph, Property]:
+    graph = load_onnx(MNIST / "onnx" / f"mnist-net_{net}.onnx")
+    return graph, read_vnnlib(MNIST / "vnnlib" / f"prop_{prop}.vnnlib", graph.input.size, graph.output.size)
+
+
+def wide_mlp(width: int = 1024, depth: int = 3) -> tuple[BoundGraph, Property]:
+    """A random ReLU MLP on 784 inputs whose weights dominate the memory, for the memory checks."""
+    from lightning_fedshard.verify.graph import Node
+    from lightning_fedshard.verify.ops import Linear, ReLU
+
+    generator = torch.Generator().manual_seed(5)
+    nodes, previous, size = [Node("x", None, (), (784,))], "x", 784
+    for k in range(depth + 1):
+        out = width if k < depth else 10
+        weight = torch.randn(out, size, generator=generator) * size**-0.5
+        nodes.append(Node(f"fc{k}", Linear(weight, torch.zeros(out)), (previous,), (out,)))
+        previous, size = f"fc{k}", out
+        if k < depth:
+            nodes.append(Node(f"relu{k}", ReLU(), (previous,), (out,)))
+            previous = f"relu{k}"
+    graph = BoundGraph(nodes)
+    center = torch.rand(784, generator=generator).double().numpy()
+    label = int(graph(torch.as_tensor(center, dtype=torch.float32).view(1, -1)).argmax())
+    return graph, robustness(center, 0.002, label, 10)
+
+
+def cases() -> dict[str, tuple[BoundGraph, Property, bool]]:
+    """name → (graph, property, whether to run the full verifier with branch-and-bound as well)."""
+    return {
+        "256x2_bab": (*mnist("256x2", "6_0.03"), True),  # unsat after branch-and-bound
+        "256x2_sat": (*mnist("256x2", "0_0.05"), True),
+        "256x4": (*mnist("256x4", "1_0.03"), False),
+        "resnet": (*resnet(), True),
+    }
+
+
+def root_bounds(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[str, object]:
+    """IBP, CROWN and α-CROWN bounds of the property's first case, and the pre-activation bounds."""
+    case = prop.cases[0]
+    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
+    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
+    partition = plan.partition if plan is not None else None
+    with torch.no_grad(), lockstep(plan.lockstep_group if plan is not None else None):
+        ibp = graph.ibp(box)[graph.output.name]
+        bounds = intermediate_bounds(graph, box, partition=partition)
+        crown = spec_lower(graph, spec.rows(1), box, bounds, partition=partition)
+    with lockstep(plan.lockstep_group if plan is not None else None):
+        alpha = alpha_crown(graph, box, spec.rows(1), ALPHA_ITERATIONS, partition=partition)
+    pres = set(graph.pre_activation.values())
+    return {
+        "box": box,
+        "ibp": (ibp.lower, ibp.upper),
+        "crown": crown,
+        "pre": {name: (b.lower, b.upper) for name, b in bounds.items() if name in pres},
+        "alpha": alpha.lower,
+        "alpha_slopes": alpha.alphas,
+    }
+
+
+def verdict(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[str, object]:
+    timeout = ZONES_TIMEOUT_S if plan is not None and plan.tp_mode.value == "zones" and plan.sharded else 60.0
+    config = VerifyConfig(timeout=timeout, alpha_iterations=ALPHA_ITERATIONS, measure_memory=True)
+    result = verify(graph, prop, config, plan)
+    cex = result.counterexample
+    return {
+        "verdict": result.verdict.value,
+        "margins": result.root_margins,
+        "domains": result.domains_bounded,
+        "cex": None if cex is None else cex.x,
+        "baseline": result.baseline_memory_bytes,
+        "peak": result.peak_memory_bytes,
+    }
+
+
+def crown_memory(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[str, int]:
+    """Resident bytes and peak live bytes of one CROWN bound of the property."""
+    case = prop.cases[0]
+    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
+    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
+    partition = plan.partition if plan is not None else None
+    meter = PeakMemoryMeter(resident_bytes=tensor_bytes(graph.constants()))
+    with torch.no_grad(), lockstep(plan.lockstep_group if plan is not None else None), meter:
+        bounds = intermediate_bounds(graph, box, partition=partition)
+        spec_lower(graph, spec.rows(1), box, bounds, partition=partition)
+    return {"baseline": meter.baseline_bytes, "peak": meter.peak_bytes}
+
+
+def compute(plan: ShardPlan | None, with_bab: bool = True) -> dict[str, dict]:
+    """Everything the tests compare."""
+    out: dict[str, dict] = {}
+    for name, (graph, prop, run_verifier) in cases().items():
+        sharded = plan.shard(graph) if plan is not None else graph
+        out[name] = root_bounds(sharded, prop, plan)
+        if with_bab and run_verifier:
+            out[name]["verify"] = verdict(sharded, prop, plan)
+    graph, prop = wide_mlp()
+    out["wide"] = crown_memory(plan.shard(graph) if plan is not None else graph, prop, plan)
+    return out
+
+
+def _rank(rank: int, world: int, port: int, out_dir: str, with_bab: bool, plans: list[str]) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {key: compute(ShardPlan(group=dist.group.WORLD, **PLANS[key]), with_bab) for key in plans}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    out_dir, world, with_bab, plans = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:] or list(PLANS)
+    mp.start_processes(_rank, args=(world, _free_port(), out_dir, with_bab, plans), nprocs=world, start_method="spawn")
