@@ -11,8 +11,10 @@ topological order for forward/IBP, the previous one for a backward step) are alr
 Biases and other 1-D constants stay replicated: they are a rounding error of the memory and the branching
 heuristics read them directly.
 
-Every rank must run the same sequence of bound steps (:mod:`~lightning_fedshard.verify.shard.lockstep`).
-Under autograd (α/β-CROWN iterations) a gathered weight lives on while the autograd graph saves it.
+Under autograd (α/β-CROWN iterations) the autograd graph would keep every gathered weight it saved until the
+backward pass; as FSDP does, a saved weight is dropped and gathered again when the backward pass needs it.
+Every rank must run the same sequence of bound steps (:mod:`~lightning_fedshard.verify.shard.lockstep`), and
+so the same backward passes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ class FsdpStats:
     gathers: int = 0
     gathered_bytes: int = 0
     prefetch_hits: int = 0
+    #: Gathers for the backward pass of autograd (weights it saved, dropped after the forward step).
+    regathers: int = 0
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """What autograd keeps of a gathered weight: which one, and how the saved view lies in it."""
+
+    op: BoundOp
+    name: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass
@@ -88,6 +103,26 @@ class WeightGatherer:
                 self._flight = self._launch(self.order[neighbour], async_op=True)
         return {name: flight.buffers[name][:numel].view(shape) for name, (shape, numel) in op._fsdp_layout.items()}
 
+    def saved_tensor_hooks(self, op: BoundOp, full: dict[str, Tensor]) -> tuple[Callable, Callable]:
+        """``saved_tensors_hooks`` that store views of ``op``'s gathered weights as :class:`_SavedWeight` and
+        gather them again when the backward pass unpacks them."""
+        storages = {value.untyped_storage().data_ptr(): name for name, value in full.items()}
+
+        def pack(tensor: Tensor):
+            name = storages.get(tensor.untyped_storage().data_ptr()) if tensor.device.type != "meta" else None
+            if name is None:
+                return tensor
+            return _SavedWeight(op, name, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+        def unpack(saved):
+            if not isinstance(saved, _SavedWeight):
+                return saved
+            self.stats.regathers += 1
+            buffer = self._launch(saved.op, async_op=False).buffers[saved.name]
+            return buffer.as_strided(saved.size, saved.stride, saved.offset)
+
+        return pack, unpack
+
     def drain(self) -> None:
         """Wait for a prefetch still in flight (before collectives of another kind, or at the end of a run)."""
         flight, self._flight = self._flight, None
@@ -106,7 +141,10 @@ def _entry(method: Callable, direction: int) -> Callable:
             setattr(self, name, value)
         self._fsdp_active = True
         try:
-            return method(self, *args, **kwargs)
+            if not torch.is_grad_enabled():
+                return method(self, *args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(*self._fsdp_gatherer.saved_tensor_hooks(self, full)):
+                return method(self, *args, **kwargs)
         finally:
             self._fsdp_active = False
             for name, value in placeholders.items():
