@@ -13,11 +13,11 @@ import socket
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_fedshard.bench.verify_memory import random_mlp
 from lightning_fedshard.verify import VerifyConfig, load_onnx, read_vnnlib, verify
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
@@ -26,8 +26,7 @@ from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
 from lightning_fedshard.verify.shard.lockstep import lockstep
 from lightning_fedshard.verify.shard.plan import ShardPlan
-from lightning_fedshard.verify.spec import Case, Property
-from lightning_fedshard.verify.spec.vnnlib import Disjunct, InputBox
+from lightning_fedshard.verify.spec import Property, local_robustness
 from tests.verify.test_patches import _resnet
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
@@ -39,23 +38,11 @@ ALPHA_ITERATIONS = 8
 ZONES_TIMEOUT_S = 3.0
 
 
-def robustness(center: np.ndarray, eps: float, label: int, outputs: int) -> Property:
-    """``argmax = label`` on the L∞ ball: one disjunct ``y_label − y_j ≤ 0`` per other class."""
-    disjuncts = []
-    for j in range(outputs):
-        if j != label:
-            row = np.zeros((1, outputs))
-            row[0, label], row[0, j] = 1, -1
-            disjuncts.append(Disjunct(row, np.zeros(1)))
-    box = InputBox(np.clip(center - eps, 0, 1), np.clip(center + eps, 0, 1))
-    return Property(center.size, outputs, (Case(box, tuple(disjuncts)),))
-
-
 def resnet() -> tuple[BoundGraph, Property]:
     graph = _resnet((3, 12, 12), width=4, dtype=torch.float32)
     center = torch.rand(graph.input.size, generator=torch.Generator().manual_seed(3)).double().numpy()
     label = int(graph(torch.as_tensor(center, dtype=torch.float32).view(1, -1)).argmax())
-    return graph, robustness(center, 0.02, label, 10)  # unsat after 8 domains
+    return graph, local_robustness(center, 0.02, label, 10)  # unsat after 8 domains
 
 
 def mnist(net: str, prop: str) -> tuple[BoundGraph, Property]:
@@ -63,25 +50,12 @@ def mnist(net: str, prop: str) -> tuple[BoundGraph, Property]:
     return graph, read_vnnlib(MNIST / "vnnlib" / f"prop_{prop}.vnnlib", graph.input.size, graph.output.size)
 
 
-def wide_mlp(width: int = 1024, depth: int = 3) -> tuple[BoundGraph, Property]:
-    """A random ReLU MLP on 784 inputs whose weights dominate the memory, for the memory checks."""
-    from lightning_fedshard.verify.graph import Node
-    from lightning_fedshard.verify.ops import Linear, ReLU
-
-    generator = torch.Generator().manual_seed(5)
-    nodes, previous, size = [Node("x", None, (), (784,))], "x", 784
-    for k in range(depth + 1):
-        out = width if k < depth else 10
-        weight = torch.randn(out, size, generator=generator) * size**-0.5
-        nodes.append(Node(f"fc{k}", Linear(weight, torch.zeros(out)), (previous,), (out,)))
-        previous, size = f"fc{k}", out
-        if k < depth:
-            nodes.append(Node(f"relu{k}", ReLU(), (previous,), (out,)))
-            previous = f"relu{k}"
-    graph = BoundGraph(nodes)
-    center = torch.rand(784, generator=generator).double().numpy()
+def wide_mlp() -> tuple[BoundGraph, Property]:
+    """A random 784 → 1024 ×3 → 10 ReLU MLP whose weights are a fair part of the memory, for the memory checks."""
+    graph = random_mlp((1024,) * 3, seed=5)
+    center = torch.rand(784, generator=torch.Generator().manual_seed(5)).double().numpy()
     label = int(graph(torch.as_tensor(center, dtype=torch.float32).view(1, -1)).argmax())
-    return graph, robustness(center, 0.002, label, 10)
+    return graph, local_robustness(center, 0.002, label, 10)
 
 
 def cases() -> dict[str, tuple[BoundGraph, Property, bool]]:

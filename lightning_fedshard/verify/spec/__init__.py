@@ -15,6 +15,7 @@ from lightning_fedshard.verify.spec.vnnlib import (
     InputBox,
     Property,
     VnnlibError,
+    local_robustness,
     parse_vnnlib,
     read_vnnlib,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "VnnlibError",
     "check_counterexample",
     "format_counterexample",
+    "local_robustness",
     "parse_vnnlib",
     "read_counterexample",
     "read_vnnlib",

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Case", "Disjunct", "InputBox", "Property", "VnnlibError", "parse_vnnlib", "read_vnnlib"]
+__all__ = [
+    "Case",
+    "Disjunct",
+    "InputBox",
+    "Property",
+    "VnnlibError",
+    "local_robustness",
+    "parse_vnnlib",
+    "read_vnnlib",
+]
 
 _TOKEN = re.compile(r"\(|\)|[^\s()]+")
 _VAR = re.compile(r"([XY])_(0|[1-9]\d*)")
@@ -81,6 +90,27 @@ class Property:
     num_inputs: int
     num_outputs: int
     cases: tuple[Case, ...]
+
+
+def local_robustness(
+    center: np.ndarray, eps: float, label: int, num_outputs: int, lower: float = 0.0, upper: float = 1.0
+) -> Property:
+    """The usual robustness property: some ``x`` with ``|x − center|∞ ≤ eps`` (clipped to ``[lower, upper]``)
+    does not keep ``label`` the top output, i.e. one disjunct ``y_label − y_j ≤ 0`` per other output ``j``.
+
+    >>> prop = local_robustness(np.full(2, 0.5), 0.1, label=0, num_outputs=3)
+    >>> len(prop.cases[0].disjuncts), prop.cases[0].disjuncts[0].matrix.tolist()
+    (2, [[1.0, -1.0, 0.0]])
+    """
+    center = np.asarray(center, dtype=np.float64).ravel()
+    disjuncts = []
+    for j in range(num_outputs):
+        if j != label:
+            row = np.zeros((1, num_outputs))
+            row[0, label], row[0, j] = 1, -1
+            disjuncts.append(Disjunct(row, np.zeros(1)))
+    box = InputBox(np.clip(center - eps, lower, upper), np.clip(center + eps, lower, upper))
+    return Property(center.size, num_outputs, (Case(box, tuple(disjuncts)),))
 
 
 class _Node(list):
