@@ -18,7 +18,17 @@ from lightning_fedshard.strategies import (
     register_strategies,
 )
 from lightning_fedshard.training import LlamaPretraining, TokenThroughputMonitor
-from lightning_fedshard.verify import Verdict, VerificationResult, VerifyConfig, load_onnx, read_vnnlib, verify_files
+from lightning_fedshard.verify import (
+    ShardPlan,
+    Verdict,
+    VerificationModule,
+    VerificationResult,
+    VerifyConfig,
+    VnncompInstances,
+    load_onnx,
+    read_vnnlib,
+    verify_files,
+)
 
 register_strategies()
 
@@ -36,11 +46,14 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "LlamaPretraining",
+    "ShardPlan",
     "TextDataModule",
     "TokenThroughputMonitor",
     "Verdict",
+    "VerificationModule",
     "VerificationResult",
     "VerifyConfig",
+    "VnncompInstances",
     "__version__",
     "load_onnx",
     "read_vnnlib",

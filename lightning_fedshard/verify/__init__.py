@@ -12,7 +12,10 @@ Example::
 from lightning_fedshard.verify.config import Method, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.instances import read_instances, run_instances
+from lightning_fedshard.verify.lightning import VerificationModule, VnncompInstances, run_predict
+from lightning_fedshard.verify.memory import PeakMemoryMeter
 from lightning_fedshard.verify.onnx_loader import OnnxLoadError, load_onnx
+from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode
 from lightning_fedshard.verify.spec import (
     Counterexample,
     Property,
@@ -29,16 +32,23 @@ __all__ = [
     "Method",
     "Node",
     "OnnxLoadError",
+    "PeakMemoryMeter",
     "Property",
+    "ShardPlan",
+    "Strategy",
+    "TensorParallelMode",
     "Verdict",
+    "VerificationModule",
     "VerificationResult",
     "VerifyConfig",
+    "VnncompInstances",
     "VnnlibError",
     "check_counterexample",
     "load_onnx",
     "read_instances",
     "read_vnnlib",
     "run_instances",
+    "run_predict",
     "verify",
     "verify_files",
     "write_result",

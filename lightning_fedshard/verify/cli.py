@@ -7,19 +7,24 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lightning_fedshard.verify.config import Method, VerifyConfig
 from lightning_fedshard.verify.instances import (
+    Instance,
+    InstanceResult,
     read_expected,
     read_instances,
     read_results,
     reference_results,
     run_instances,
+    score_answer,
     summarise,
     write_results,
 )
-from lightning_fedshard.verify.spec import write_result
+from lightning_fedshard.verify.shard.plan import Strategy, TensorParallelMode
+from lightning_fedshard.verify.spec import Counterexample, write_result
 from lightning_fedshard.verify.verifier import verify_files
 
 __all__ = ["main"]
@@ -30,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="fedshard verify",
         description="Verify ONNX networks against VNN-LIB properties (IBP, CROWN, α-CROWN, β-CROWN BaB).",
         epilog="examples:\n  fedshard verify net.onnx prop.vnnlib --timeout 120 --result out.txt --report r.json\n"
-        "  fedshard verify --instances mnist_fc/instances.csv --results results.csv",
+        "  fedshard verify --instances mnist_fc/instances.csv --results results.csv\n"
+        "  fedshard verify net.onnx prop.vnnlib --strategy fsdp --devices 2 --report r.json\n"
+        "  fedshard verify --instances mnist_fc/instances.csv --strategy tp --devices 4 --group-size 2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("onnx", nargs="?", help="ONNX model (.onnx or .onnx.gz)")
@@ -51,8 +58,65 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
     parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--measure-memory",
+        action="store_true",
+        help="count live tensor memory (slower on CPU; always on with --report)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads per process (default: torch's choice; cores/devices with --devices)",
+    )
+    parallel = parser.add_argument_group(
+        "parallel runs (Lightning predict loop; on CPU the other ranks re-run this command line)"
+    )
+    parallel.add_argument(
+        "--strategy",
+        choices=[s.value for s in Strategy],
+        default=Strategy.SINGLE.value,
+        help="single: each rank verifies its own instances; fsdp: weights sharded over a group of ranks (same "
+        "bounds as single); tp: tensor parallel (default single)",
+    )
+    parallel.add_argument("--devices", type=int, default=1, help="ranks (processes) to run (default 1)")
+    parallel.add_argument(
+        "--group-size", type=int, help="fsdp/tp: ranks sharing one instance (default: all); the rest spread instances"
+    )
+    parallel.add_argument(
+        "--tp-mode",
+        choices=[m.value for m in TensorParallelMode],
+        help="tp: rows (exact, split backward rows and BaB domains; default) or zones (Megatron zones, looser)",
+    )
+    parallel.add_argument("--zones", type=int, help="--tp-mode zones: at most this many zones from the input")
+    parallel.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="cpu/gloo (default) or gpu/NCCL")
     return parser
+
+
+def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad combinations of the parallel options: an argparse error, before any process starts."""
+    if args.devices < 1:
+        parser.error(f"--devices must be ≥ 1, got {args.devices}")
+    if args.tp_mode is not None and args.strategy != Strategy.TP.value:
+        parser.error("--tp-mode applies to --strategy tp only")
+    if args.zones is not None and args.tp_mode != TensorParallelMode.ZONES.value:
+        parser.error("--zones needs --tp-mode zones")
+    if args.zones is not None and args.zones < 1:
+        parser.error(f"--zones must be ≥ 1, got {args.zones}")
+    if args.strategy != Strategy.SINGLE.value and args.devices < 2:
+        parser.error(f"--strategy {args.strategy} shards each instance over several ranks: give --devices ≥ 2")
+    if args.group_size is not None:
+        from lightning_fedshard.verify.lightning.module import predict_layout
+
+        try:
+            predict_layout(args.strategy, args.devices, args.group_size)
+        except ValueError as error:
+            parser.error(f"--group-size: {error}")
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        parser.error("--accelerator gpu: CUDA is not available")
+
+
+def _parallel(args: argparse.Namespace) -> bool:
+    return args.strategy != Strategy.SINGLE.value or args.devices > 1
 
 
 def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
@@ -68,7 +132,7 @@ def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
     return 0
 
 
-def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
+def _selected_instances(args: argparse.Namespace) -> list[Instance]:
     instances = read_instances(args.instances)
     if args.networks:
         unknown = set(args.networks) - {i.onnx.name for i in instances}
@@ -79,6 +143,11 @@ def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
         instances = instances[: args.limit]
     if args.timeout is not None:
         instances = [type(i)(i.onnx, i.vnnlib, args.timeout) for i in instances]
+    return instances
+
+
+def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
+    instances = _selected_instances(args)
     expected_path = args.expected or args.instances.parent / "expected_verdicts.csv"
     expected = read_expected(expected_path) if expected_path.is_file() else {}
     rows = []
@@ -88,6 +157,103 @@ def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
         print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
         if args.results:
             write_results(args.results, rows)
+    return _tables(rows, expected_path)
+
+
+def _run_parallel(args: argparse.Namespace, config: VerifyConfig, instances: list[Instance]) -> list[dict] | None:
+    """The Lightning predict loop over ``instances``: merged results on rank 0, ``None`` on the other ranks."""
+    import logging
+    import os
+
+    from lightning_fedshard.verify.lightning.module import run_predict
+
+    if args.threads is None and args.accelerator == "cpu" and args.devices > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # no banners
+    return run_predict(
+        instances,
+        config,
+        args.strategy,
+        args.devices,
+        args.tp_mode or TensorParallelMode.ROWS.value,
+        args.zones,
+        args.group_size,
+        args.accelerator,
+    )
+
+
+def _entry_counterexample(entry: dict) -> Counterexample | None:
+    if entry.get("counterexample") is None:
+        return None
+    return Counterexample(np.asarray(entry["counterexample"], dtype=np.float64), np.asarray(entry["counterexample_y"]))
+
+
+def _single_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
+    results = _run_parallel(args, config, [Instance(Path(args.onnx), Path(args.vnnlib), config.timeout)])
+    if results is None:  # not rank 0: rank 0 reports
+        return 0
+    (entry,) = results
+    if entry["verdict"] == "error":
+        print(f"fedshard verify: error: {entry['error']}", file=sys.stderr)
+        return 2
+    total = sum(entry["times_s"].values())
+    line = f"{entry['verdict']}  ({entry['decided_by'] or 'undecided'}, {total:.2f} s)"
+    if entry["counterexample_check"]:
+        line += f"  counterexample check: {entry['counterexample_check']}"
+    print(line + f"  [{args.strategy}, {args.devices} devices]")
+    if args.result:
+        write_result(args.result, entry["verdict"], _entry_counterexample(entry))
+    if args.report:
+        report = {key: entry[key] for key in _REPORT_FIELDS}
+        report["total_time_s"] = total
+        if entry["counterexample_check"]:
+            report["counterexample_check"] = entry["counterexample_check"]
+        report.update(strategy=args.strategy, devices=args.devices, per_rank=entry["per_rank"])
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+_REPORT_FIELDS = (
+    "verdict",
+    "decided_by",
+    "root_margins",
+    "times_s",
+    "baseline_memory_bytes",
+    "peak_memory_bytes",
+    "rss_peak_bytes",
+    "domains_bounded",
+    "max_depth",
+)
+
+
+def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
+    instances = _selected_instances(args)
+    expected_path = args.expected or args.instances.parent / "expected_verdicts.csv"
+    expected = read_expected(expected_path) if expected_path.is_file() else {}
+    results = _run_parallel(args, config, instances)
+    if results is None:  # not rank 0
+        return 0
+    rows = []
+    for entry in results:
+        onnx, vnnlib = Path(entry["onnx"]).name, Path(entry["vnnlib"]).name
+        check = entry.get("counterexample_check") or ""
+        row = InstanceResult(
+            onnx,
+            vnnlib,
+            entry["verdict"],
+            round(max((r["time_s"] for r in entry["per_rank"]), default=0.0), 3),
+            decided_by=entry.get("decided_by") or "",
+            counterexample_ok=("yes" if check == "ok" else f"no: {check}") if check else "",
+            expected=expected.get((onnx, vnnlib), ""),
+            error=entry.get("error") or "",
+        )
+        row.wrong, row.score = score_answer(row.verdict, row.expected, row.counterexample_ok)
+        rows.append(row)
+        note = f"  [{row.error}]" if row.error else ("  WRONG" if row.wrong else "")
+        print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
+    if args.results:
+        write_results(args.results, rows)
     return _tables(rows, expected_path)
 
 
@@ -116,12 +282,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give ONNX and VNNLIB, or --instances CSV")
     if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):
         parser.error("--instances runs a whole folder: do not also give ONNX/VNNLIB/--result/--report")
+    _check_parallel(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
         config = VerifyConfig(
-            method=Method(args.method), timeout=args.timeout or 120.0, batch_size=args.batch_size, seed=args.seed
+            method=Method(args.method),
+            timeout=args.timeout or 120.0,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            measure_memory=args.report is not None or args.measure_memory,  # the report holds memory peaks
         )
+        if _parallel(args):
+            return _benchmark_parallel(args, config) if args.instances is not None else _single_parallel(args, config)
         return _benchmark(args, config) if args.instances is not None else _single(args, config)
     except (OSError, ValueError) as error:
         print(f"fedshard verify: error: {error}", file=sys.stderr)

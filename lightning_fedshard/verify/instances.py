@@ -19,6 +19,7 @@ __all__ = [
     "read_results",
     "reference_results",
     "run_instances",
+    "score_answer",
     "summarise",
     "write_results",
 ]
@@ -91,7 +92,7 @@ def reference_results(path: str | Path, rows: list[InstanceResult]) -> list[Inst
             continue
         verdict = entry["abcrown_result"]
         # Its counterexamples were validated by the organisers; a sat that contradicts the consensus is wrong.
-        wrong, score = _score(verdict, entry["expected"], "yes")
+        wrong, score = score_answer(verdict, entry["expected"], "yes")
         reference.append(
             InstanceResult(
                 row.onnx,
@@ -106,7 +107,7 @@ def reference_results(path: str | Path, rows: list[InstanceResult]) -> list[Inst
     return reference
 
 
-def _score(verdict: str, expected: str, counterexample_ok: str) -> tuple[bool, int]:
+def score_answer(verdict: str, expected: str, counterexample_ok: str) -> tuple[bool, int]:
     """(wrong, points): a ``sat`` must carry a counterexample that replays; an answer contradicting a known
     verdict is wrong."""
     if verdict not in ("sat", "unsat"):
@@ -132,7 +133,7 @@ def run_instance(
     except (OSError, ValueError) as error:
         row.error = f"{type(error).__name__}: {error}"
     row.time_s = round(time.monotonic() - start, 3)
-    row.wrong, row.score = _score(row.verdict, expected, row.counterexample_ok)
+    row.wrong, row.score = score_answer(row.verdict, expected, row.counterexample_ok)
     return row, result
 
 

@@ -1,0 +1,35 @@
+"""Verification in Lightning's predict loop; launched by the tests as a script (on CPU Lightning starts the other
+ranks by re-running it). Usage: ``python predict_worker.py SPEC.json`` — SPEC holds ``out``, ``strategy``,
+``devices``, optional ``group_size``/``tp_mode``/``max_zones``/``config`` (``VerifyConfig`` fields) and
+``instances`` (``[onnx, vnnlib, timeout]`` rows); global rank 0 writes ``run_predict``'s results to ``out``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_fedshard.verify.config import VerifyConfig
+from lightning_fedshard.verify.lightning import run_predict
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # two threads per rank on a loaded 2-core machine are pathologically slow
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    results = run_predict(
+        [tuple(row) for row in spec["instances"]],
+        VerifyConfig(**spec.get("config", {})),
+        spec["strategy"],
+        spec["devices"],
+        spec.get("tp_mode", "rows"),
+        spec.get("max_zones"),
+        spec.get("group_size"),
+    )
+    if results is not None:
+        Path(spec["out"]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
