@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "recipes": "lightning_fedshard.bench.recipes",
     "compression": "lightning_fedshard.bench.compression",
+    "verify-memory": "lightning_fedshard.bench.verify_memory",
 }
 
 

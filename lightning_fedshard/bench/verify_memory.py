@@ -1,0 +1,293 @@
+"""Memory per rank of sharded bound propagation: single process against FSDP, tensor-parallel rows (with
+domain-sharded branch-and-bound) and Megatron zones, on real gloo ranks.
+
+    python -m lightning_fedshard.bench verify-memory [--out runs/verify-memory] [--quick]
+
+(``fedshard bench verify-memory ...`` is the same.) For every network (wide random ReLU MLPs on 784 inputs and
+the VNN-COMP 2022 mnist_fc nets) and every strategy, each rank measures with
+:class:`~lightning_fedshard.verify.memory.PeakMemoryMeter` (live tensor storage, plus the constants it holds):
+
+* ``baseline``: what the rank holds before propagating (weights, or its shards);
+* ``root``: the peak of CROWN and then α-CROWN (``ALPHA_ITERATIONS`` iterations) on a robustness property;
+* ``bab``: the peak of one β-CROWN batch of ``BAB_DOMAINS`` branch-and-bound domains (``BETA_ITERATIONS``
+  iterations), with the output pass's α tensors: whole on every rank for single/FSDP/zones, dealt out (``1/P``
+  of the domains per rank) for the row-parallel strategy, which is what its search does;
+
+and the time of each phase. The table gives the largest rank's numbers and their ratio to single in the same
+run; ``OUT/results.json`` holds every rank, ``OUT/memory_vs_ranks.png`` plots memory against P.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_fedshard.verify.bab.domains import DomainBatch
+from lightning_fedshard.verify.bounds.alpha import alpha_crown
+from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.graph import BoundGraph, Node
+from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
+from lightning_fedshard.verify.objective import OutputSpec, box_tensor
+from lightning_fedshard.verify.onnx_loader import load_onnx
+from lightning_fedshard.verify.ops import Linear, ReLU
+from lightning_fedshard.verify.shard.lockstep import lockstep
+from lightning_fedshard.verify.shard.plan import ShardPlan
+from lightning_fedshard.verify.spec import Property, local_robustness
+
+__all__ = ["MemoryRow", "main", "random_mlp"]
+
+MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022" / "onnx"
+WIDE_MLPS = {"mlp-1024x4": (1024,) * 4, "mlp-2048x4": (2048,) * 4, "mlp-4096x2": (4096,) * 2}
+QUICK_MLPS = {"mlp-512x3": (512,) * 3}
+ALPHA_ITERATIONS = 5
+BAB_DOMAINS = 64
+BETA_ITERATIONS = 5
+EPS = 0.01
+#: (name, plan keyword arguments, ranks); single first: the ratios are to it.
+STRATEGIES = (
+    ("single", {}, 1),
+    ("fsdp", {"strategy": "fsdp"}, 2),
+    ("fsdp", {"strategy": "fsdp"}, 4),
+    ("tp-rows", {"strategy": "tp"}, 2),
+    ("tp-rows", {"strategy": "tp"}, 4),
+    ("tp-zones", {"strategy": "tp", "tp_mode": "zones"}, 2),
+)
+MIB = 2**20
+
+
+def random_mlp(widths: tuple[int, ...], inputs: int = 784, outputs: int = 10, seed: int = 0) -> BoundGraph:
+    """A ReLU MLP with Gaussian weights scaled by ``1/√fan_in`` and small biases.
+
+    Example::
+
+        graph = random_mlp((1024,) * 4)   # 784 → 1024 ×4 → 10
+    """
+    generator = torch.Generator().manual_seed(seed)
+    nodes, previous, fan_in = [Node("x", None, (), (inputs,))], "x", inputs
+    for k, width in enumerate((*widths, outputs)):
+        weight = torch.randn(width, fan_in, generator=generator) * fan_in**-0.5
+        bias = 0.1 * torch.randn(width, generator=generator)
+        nodes.append(Node(f"fc{k}", Linear(weight, bias), (previous,), (width,)))
+        previous, fan_in = f"fc{k}", width
+        if k < len(widths):
+            nodes.append(Node(f"relu{k}", ReLU(), (previous,), (width,)))
+            previous = f"relu{k}"
+    return BoundGraph(nodes)
+
+
+def _networks(quick: bool) -> dict[str, BoundGraph]:
+    nets = {name: random_mlp(widths) for name, widths in (QUICK_MLPS if quick else WIDE_MLPS).items()}
+    for size in ("256x2",) if quick else ("256x2", "256x4", "256x6"):
+        path = MNIST / f"mnist-net_{size}.onnx"
+        if path.exists():
+            nets[f"mnist-{size}"] = load_onnx(path)
+    return nets
+
+
+def _property(graph: BoundGraph) -> Property:
+    center = torch.rand(graph.input.size, generator=torch.Generator().manual_seed(1)).double().numpy()
+    with torch.no_grad():
+        label = int(graph(torch.as_tensor(center, dtype=graph.dtype).view(1, -1)).argmax())
+    return local_robustness(center, EPS, label, graph.output.size)
+
+
+@dataclass
+class MemoryRow:
+    """One rank's measurements for one network and strategy (bytes, seconds)."""
+
+    network: str
+    strategy: str
+    ranks: int
+    rank: int
+    baseline: int
+    root_peak: int
+    bab_peak: int
+    root_time: float
+    bab_time: float
+
+
+def _domains(graph: BoundGraph, root, spec: OutputSpec, count: int) -> DomainBatch:
+    """``count`` copies of the root domain with the output slopes and zero β: the batch a search bounds."""
+    pres = list(graph.pre_activation.values())
+    lower = {pre: root.bounds[pre].lower for pre in pres}
+    one = DomainBatch(
+        lower=lower,
+        upper={pre: root.bounds[pre].upper for pre in pres},
+        splits={pre: torch.zeros_like(lower[pre], dtype=torch.int8) for pre in pres},
+        betas={pre: torch.zeros(spec.num_rows, *lower[pre].shape) for pre in pres},
+        alphas={name: alpha.detach().clone() for name, alpha in root.alphas.items()},
+        margins=root.lower.T - spec.rhs,
+        depth=torch.zeros(1, dtype=torch.long),
+        branch_layer=torch.zeros(1, dtype=torch.long),
+        branch_neuron=torch.zeros(1, dtype=torch.long),
+    )
+    return one.repeat(count)
+
+
+def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks: int, rank: int) -> MemoryRow:
+    """One rank's baseline, root and branch-and-bound memory for ``graph`` (already sharded by ``plan``)."""
+    prop = _property(graph)
+    case = prop.cases[0]
+    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
+    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
+    resident = tensor_bytes(graph.constants())
+    with lockstep(plan.lockstep_group):
+        start = time.monotonic()
+        with PeakMemoryMeter(graph.device, resident) as root_meter:
+            root_meter.mark_baseline()
+            with torch.no_grad():
+                bounds = intermediate_bounds(graph, box, partition=plan.partition)
+                spec_lower(graph, spec.rows(1), box, bounds, partition=plan.partition)
+            root = alpha_crown(graph, box, spec.rows(1), ALPHA_ITERATIONS, partition=plan.partition)
+        root_time = time.monotonic() - start
+        # Row-parallel branch-and-bound deals its domains out: each rank bounds its share.
+        share = plan.partition.counts(BAB_DOMAINS)[plan.partition.rank] if plan.partition else BAB_DOMAINS
+        domains = _domains(graph, root, spec, share)
+        group = None if plan.row_parallel else plan.lockstep_group
+        start = time.monotonic()
+        with lockstep(group), PeakMemoryMeter(graph.device, resident + _domain_bytes(domains)) as bab_meter:
+            beta_crown(graph, box, spec.rows(share), domains, BETA_ITERATIONS)
+        bab_time = time.monotonic() - start
+    return MemoryRow(
+        name,
+        strategy,
+        ranks,
+        rank,
+        root_meter.baseline_bytes,
+        root_meter.peak_bytes,
+        bab_meter.peak_bytes,
+        root_time,
+        bab_time,
+    )
+
+
+def _domain_bytes(domains: DomainBatch) -> int:
+    """Bytes of a domain batch (its bounds, splits, α and β), resident while the batch is bounded."""
+    return tensor_bytes(t for t, _ in domains._leaves())
+
+
+def _rank(rank: int, ranks: int, port: int, strategy: str, kwargs: dict, quick: bool, out: str) -> None:
+    torch.set_num_threads(1)
+    rows = []
+    if ranks > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        plan = ShardPlan(group=dist.group.WORLD if ranks > 1 else None, **kwargs)
+        for name, graph in _networks(quick).items():
+            sharded = plan.shard(graph)
+            del graph
+            rows.append(asdict(measure(name, sharded, strategy, plan, ranks, rank)))
+        Path(out, f"{strategy}-{ranks}-{rank}.json").write_text(json.dumps(rows))
+    finally:
+        if ranks > 1:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(out: Path, quick: bool) -> list[dict]:
+    """Every strategy of :data:`STRATEGIES` on every network, each in its own set of spawned ranks."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for strategy, kwargs, ranks in STRATEGIES:
+        args = (ranks, _free_port(), strategy, kwargs, quick, str(out))
+        mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn")
+        for rank in range(ranks):
+            path = out / f"{strategy}-{ranks}-{rank}.json"
+            rows += json.loads(path.read_text())
+            path.unlink()
+    return rows
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """The largest rank of every (network, strategy, P), with ratios to the single-process run."""
+    worst: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["network"], row["strategy"], row["ranks"])
+        mine = worst.setdefault(key, dict(row))
+        for field in ("baseline", "root_peak", "bab_peak", "root_time", "bab_time"):
+            mine[field] = max(mine[field], row[field])
+    table = []
+    for (network, strategy, ranks), row in worst.items():
+        single = worst[(network, "single", 1)]
+        ratios = {f"{field}_ratio": row[field] / single[field] for field in ("baseline", "root_peak", "bab_peak")}
+        table.append(
+            {
+                **row,
+                **ratios,
+                "time_ratio": (row["root_time"] + row["bab_time"]) / (single["root_time"] + single["bab_time"]),
+            }
+        )
+    return table
+
+
+def format_table(table: list[dict]) -> str:
+    header = (
+        f"{'network':<13} {'strategy':<9} {'P':>2} {'baseline MiB':>12} {'×':>5} {'root peak MiB':>13} {'×':>5} "
+        f"{'BaB peak MiB':>12} {'×':>5} {'time s':>7} {'×':>5}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in table:
+        lines.append(
+            f"{r['network']:<13} {r['strategy']:<9} {r['ranks']:>2} {r['baseline'] / MIB:>12.1f} "
+            f"{r['baseline_ratio']:>5.2f} {r['root_peak'] / MIB:>13.1f} {r['root_peak_ratio']:>5.2f} "
+            f"{r['bab_peak'] / MIB:>12.1f} {r['bab_peak_ratio']:>5.2f} {r['root_time'] + r['bab_time']:>7.2f} "
+            f"{r['time_ratio']:>5.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fields = (("baseline", "baseline"), ("root_peak", "root peak (CROWN + α-CROWN)"), ("bab_peak", "BaB batch peak"))
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for axis, (field, title) in zip(axes, fields, strict=True):
+        for network in dict.fromkeys(r["network"] for r in table):
+            for strategy, style in (("fsdp", "-o"), ("tp-rows", "--s")):
+                points = sorted(
+                    (r["ranks"], r[f"{field}_ratio"])
+                    for r in table
+                    if r["network"] == network and r["strategy"] in (strategy, "single")
+                )
+                axis.plot(*zip(*points, strict=True), style, label=f"{network} {strategy}")
+        axis.plot([1, 2, 4], [1, 0.5, 0.25], ":", color="grey", label="1/P")
+        axis.set(title=title, xlabel="ranks P", ylabel="memory / single", xticks=[1, 2, 4], ylim=(0, 1.15))
+    axes[0].legend(fontsize=6, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="fedshard bench verify-memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/verify-memory"))
+    parser.add_argument("--quick", action="store_true", help="one small MLP and 256x2 only (a smoke run)")
+    args = parser.parse_args(argv)
+    rows = run(args.out, args.quick)
+    table = summarise(rows)
+    print(format_table(table))
+    (args.out / "results.json").write_text(json.dumps({"ranks": rows, "table": table}, indent=1))
+    plot(table, args.out / "memory_vs_ranks.png")
+    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'memory_vs_ranks.png'}")
+
+
+if __name__ == "__main__":
+    main()
