@@ -146,15 +146,24 @@ def _selected_instances(args: argparse.Namespace) -> list[Instance]:
     return instances
 
 
+def _expected(args: argparse.Namespace) -> tuple[Path, dict]:
+    """The expected-verdicts file of a benchmark folder and its verdicts (none if there is no such file)."""
+    path = args.expected or args.instances.parent / "expected_verdicts.csv"
+    return path, read_expected(path) if path.is_file() else {}
+
+
+def _print_row(row: InstanceResult) -> None:
+    note = f"  [{row.error}]" if row.error else ("  WRONG" if row.wrong else "")
+    print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
+
+
 def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
     instances = _selected_instances(args)
-    expected_path = args.expected or args.instances.parent / "expected_verdicts.csv"
-    expected = read_expected(expected_path) if expected_path.is_file() else {}
+    expected_path, expected = _expected(args)
     rows = []
     for row in run_instances(instances, config, expected):
         rows.append(row)
-        note = f"  [{row.error}]" if row.error else ("  WRONG" if row.wrong else "")
-        print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
+        _print_row(row)
         if args.results:
             write_results(args.results, rows)
     return _tables(rows, expected_path)
@@ -229,8 +238,7 @@ _REPORT_FIELDS = (
 
 def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
     instances = _selected_instances(args)
-    expected_path = args.expected or args.instances.parent / "expected_verdicts.csv"
-    expected = read_expected(expected_path) if expected_path.is_file() else {}
+    expected_path, expected = _expected(args)
     results = _run_parallel(args, config, instances)
     if results is None:  # not rank 0
         return 0
@@ -250,8 +258,7 @@ def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
         )
         row.wrong, row.score = score_answer(row.verdict, row.expected, row.counterexample_ok)
         rows.append(row)
-        note = f"  [{row.error}]" if row.error else ("  WRONG" if row.wrong else "")
-        print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
+        _print_row(row)
     if args.results:
         write_results(args.results, rows)
     return _tables(rows, expected_path)
