@@ -8,7 +8,8 @@ the VNN-COMP 2022 mnist_fc nets) and every strategy, each rank measures with
 :class:`~lightning_fedshard.verify.memory.PeakMemoryMeter` (live tensor storage, plus the constants it holds):
 
 * ``baseline``: what the rank holds before propagating (weights, or its shards);
-* ``root``: the peak of CROWN and then α-CROWN (``ALPHA_ITERATIONS`` iterations) on a robustness property;
+* ``crown``: the peak of CROWN (intermediate and output bounds, no autograd) on a robustness property;
+* ``alpha``: the peak of α-CROWN (``ALPHA_ITERATIONS`` iterations) on it;
 * ``bab``: the peak of one β-CROWN batch of ``BAB_DOMAINS`` branch-and-bound domains (``BETA_ITERATIONS``
   iterations), with the output pass's α tensors: whole on every rank for single/FSDP/zones, dealt out (``1/P``
   of the domains per rank) for the row-parallel strategy, which is what its search does;
@@ -63,6 +64,8 @@ STRATEGIES = (
     ("tp-zones", {"strategy": "tp", "tp_mode": "zones"}, 2),
 )
 MIB = 2**20
+_MEMORY = ("baseline", "crown_peak", "alpha_peak", "bab_peak")
+_TITLES = {"baseline": "baseline", "crown_peak": "CROWN peak", "alpha_peak": "α-CROWN peak", "bab_peak": "BaB peak"}
 
 
 def random_mlp(widths: tuple[int, ...], inputs: int = 784, outputs: int = 10, seed: int = 0) -> BoundGraph:
@@ -110,7 +113,8 @@ class MemoryRow:
     ranks: int
     rank: int
     baseline: int
-    root_peak: int
+    crown_peak: int
+    alpha_peak: int
     bab_peak: int
     root_time: float
     bab_time: float
@@ -143,11 +147,12 @@ def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks:
     resident = tensor_bytes(graph.constants())
     with lockstep(plan.lockstep_group):
         start = time.monotonic()
-        with PeakMemoryMeter(graph.device, resident) as root_meter:
-            root_meter.mark_baseline()
-            with torch.no_grad():
-                bounds = intermediate_bounds(graph, box, partition=plan.partition)
-                spec_lower(graph, spec.rows(1), box, bounds, partition=plan.partition)
+        with PeakMemoryMeter(graph.device, resident) as crown_meter, torch.no_grad():
+            crown_meter.mark_baseline()
+            bounds = intermediate_bounds(graph, box, partition=plan.partition)
+            spec_lower(graph, spec.rows(1), box, bounds, partition=plan.partition)
+        del bounds
+        with PeakMemoryMeter(graph.device, resident) as alpha_meter:
             root = alpha_crown(graph, box, spec.rows(1), ALPHA_ITERATIONS, partition=plan.partition)
         root_time = time.monotonic() - start
         # Row-parallel branch-and-bound deals its domains out: each rank bounds its share.
@@ -163,8 +168,9 @@ def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks:
         strategy,
         ranks,
         rank,
-        root_meter.baseline_bytes,
-        root_meter.peak_bytes,
+        crown_meter.baseline_bytes,
+        crown_meter.peak_bytes,
+        alpha_meter.peak_bytes,
         bab_meter.peak_bytes,
         root_time,
         bab_time,
@@ -220,12 +226,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     for row in rows:
         key = (row["network"], row["strategy"], row["ranks"])
         mine = worst.setdefault(key, dict(row))
-        for field in ("baseline", "root_peak", "bab_peak", "root_time", "bab_time"):
+        for field in (*_MEMORY, "root_time", "bab_time"):
             mine[field] = max(mine[field], row[field])
     table = []
     for (network, strategy, ranks), row in worst.items():
         single = worst[(network, "single", 1)]
-        ratios = {f"{field}_ratio": row[field] / single[field] for field in ("baseline", "root_peak", "bab_peak")}
+        ratios = {f"{field}_ratio": row[field] / single[field] for field in _MEMORY}
         table.append(
             {
                 **row,
@@ -237,18 +243,14 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def format_table(table: list[dict]) -> str:
-    header = (
-        f"{'network':<13} {'strategy':<9} {'P':>2} {'baseline MiB':>12} {'×':>5} {'root peak MiB':>13} {'×':>5} "
-        f"{'BaB peak MiB':>12} {'×':>5} {'time s':>7} {'×':>5}"
-    )
-    lines = [header, "-" * len(header)]
+    """Markdown: MiB and the ratio to single for every memory figure, then the time."""
+    header = "| network | strategy | P | " + " | ".join(f"{_TITLES[f]} MiB | ×" for f in _MEMORY) + " | time s | × |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in table:
-        lines.append(
-            f"{r['network']:<13} {r['strategy']:<9} {r['ranks']:>2} {r['baseline'] / MIB:>12.1f} "
-            f"{r['baseline_ratio']:>5.2f} {r['root_peak'] / MIB:>13.1f} {r['root_peak_ratio']:>5.2f} "
-            f"{r['bab_peak'] / MIB:>12.1f} {r['bab_peak_ratio']:>5.2f} {r['root_time'] + r['bab_time']:>7.2f} "
-            f"{r['time_ratio']:>5.2f}"
-        )
+        cells = [r["network"], r["strategy"], str(r["ranks"])]
+        cells += [f"{r[f] / MIB:.1f} | {r[f + '_ratio']:.2f}" for f in _MEMORY]
+        cells += [f"{r['root_time'] + r['bab_time']:.2f} | {r['time_ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -258,9 +260,10 @@ def plot(table: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fields = (("baseline", "baseline"), ("root_peak", "root peak (CROWN + α-CROWN)"), ("bab_peak", "BaB batch peak"))
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for axis, (field, title) in zip(axes, fields, strict=True):
+    figure, axes = plt.subplots(1, len(_MEMORY), figsize=(20, 4.2))
+    top = max(1.15, max(r[f"{field}_ratio"] for r in table for field in _MEMORY) + 0.05)
+    for axis, field in zip(axes, _MEMORY, strict=True):
+        title = _TITLES[field]
         for network in dict.fromkeys(r["network"] for r in table):
             for strategy, style in (("fsdp", "-o"), ("tp-rows", "--s")):
                 points = sorted(
@@ -270,7 +273,7 @@ def plot(table: list[dict], path: Path) -> None:
                 )
                 axis.plot(*zip(*points, strict=True), style, label=f"{network} {strategy}")
         axis.plot([1, 2, 4], [1, 0.5, 0.25], ":", color="grey", label="1/P")
-        axis.set(title=title, xlabel="ranks P", ylabel="memory / single", xticks=[1, 2, 4], ylim=(0, 1.15))
+        axis.set(title=title, xlabel="ranks P", ylabel="memory / single", xticks=[1, 2, 4], ylim=(0, top))
     axes[0].legend(fontsize=6, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -20,6 +20,7 @@ from lightning_fedshard.verify.instances import (
     reference_results,
     run_instances,
     score_answer,
+    select_instances,
     summarise,
     write_results,
 )
@@ -133,17 +134,10 @@ def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
 
 
 def _selected_instances(args: argparse.Namespace) -> list[Instance]:
-    instances = read_instances(args.instances)
-    if args.networks:
-        unknown = set(args.networks) - {i.onnx.name for i in instances}
-        if unknown:
-            raise ValueError(f"{args.instances} has no rows for {sorted(unknown)}")
-        instances = [i for i in instances if i.onnx.name in args.networks]
-    if args.limit is not None:
-        instances = instances[: args.limit]
-    if args.timeout is not None:
-        instances = [type(i)(i.onnx, i.vnnlib, args.timeout) for i in instances]
-    return instances
+    try:
+        return select_instances(read_instances(args.instances), args.networks, args.limit, args.timeout)
+    except ValueError as error:
+        raise ValueError(f"{args.instances}: {error}") from None
 
 
 def _expected(args: argparse.Namespace) -> tuple[Path, dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -20,6 +20,7 @@ __all__ = [
     "reference_results",
     "run_instances",
     "score_answer",
+    "select_instances",
     "summarise",
     "write_results",
 ]
@@ -184,3 +185,24 @@ def summarise(rows: list[InstanceResult]) -> str:
             f"{sum(r.score for r in group):>6}"
         )
     return "\n".join(lines)
+
+
+def select_instances(
+    instances: Sequence[Instance],
+    networks: Sequence[str] | None = None,
+    limit: int | None = None,
+    timeout: float | None = None,
+) -> list[Instance]:
+    """The rows of these ONNX file names (all when ``None``; a name without rows is an error), the first
+    ``limit`` of them, each with ``timeout`` in place of its own where given (as ``fedshard verify --instances``
+    does with ``--networks``, ``--limit`` and ``--timeout``)."""
+    if networks:
+        unknown = set(networks) - {i.onnx.name for i in instances}
+        if unknown:
+            raise ValueError(f"no rows for {sorted(unknown)}")
+        instances = [i for i in instances if i.onnx.name in networks]
+    if limit is not None:
+        instances = instances[:limit]
+    if timeout is not None:
+        instances = [Instance(i.onnx, i.vnnlib, timeout) for i in instances]
+    return instances

@@ -18,7 +18,6 @@ from lightning_fedshard.verify.lightning.data import (
     InstanceSampler,
     VnncompInstances,
     as_instance,
-    select_instances,
 )
 from lightning_fedshard.verify.lightning.module import (
     VerificationModule,
@@ -36,5 +35,4 @@ __all__ = [
     "merge_rank_outputs",
     "predict_layout",
     "run_predict",
-    "select_instances",
 ]

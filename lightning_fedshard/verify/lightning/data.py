@@ -9,7 +9,7 @@ from pathlib import Path
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_fedshard.verify.instances import Instance, read_instances
+from lightning_fedshard.verify.instances import Instance, read_instances, select_instances
 
 __all__ = [
     "InstanceDataset",
@@ -17,7 +17,6 @@ __all__ = [
     "VnncompInstances",
     "as_instance",
     "data_parallel_layout",
-    "select_instances",
 ]
 
 
@@ -30,28 +29,6 @@ def as_instance(item: Instance | dict | Sequence) -> Instance:
         return Instance(Path(item["onnx"]), Path(item["vnnlib"]), float(item["timeout"]))
     onnx, vnnlib, timeout = item
     return Instance(Path(onnx), Path(vnnlib), float(timeout))
-
-
-def select_instances(
-    instances: Sequence[Instance],
-    networks: Sequence[str] | None = None,
-    limit: int | None = None,
-    timeout: float | None = None,
-) -> list[Instance]:
-    """The rows of these ONNX file names (all when ``None``; a name without rows is an error), the first
-    ``limit`` of them, each with ``timeout`` in place of its own where given (as ``fedshard verify --instances``
-    does with ``--networks``, ``--limit`` and ``--timeout``)."""
-    instances = [as_instance(i) for i in instances]
-    if networks:
-        unknown = set(networks) - {i.onnx.name for i in instances}
-        if unknown:
-            raise ValueError(f"no instance rows for {sorted(unknown)}")
-        instances = [i for i in instances if i.onnx.name in networks]
-    if limit is not None:
-        instances = instances[:limit]
-    if timeout is not None:
-        instances = [Instance(i.onnx, i.vnnlib, timeout) for i in instances]
-    return instances
 
 
 class InstanceDataset(Dataset):
@@ -130,7 +107,7 @@ class VnncompInstances(LightningDataModule):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
-        rows = read_instances(source) if isinstance(source, (str, Path)) else list(source)
+        rows = read_instances(source) if isinstance(source, (str, Path)) else [as_instance(i) for i in source]
         self.instances = select_instances(rows, networks, limit, timeout)
 
     def predict_dataloader(self) -> DataLoader:
