@@ -27,7 +27,12 @@ from lightning_fedshard.verify.shard.lockstep import lockstep, past
 from lightning_fedshard.verify.shard.plan import ShardPlan
 from lightning_fedshard.verify.spec import Case, Counterexample, Property, check_counterexample, read_vnnlib
 
-__all__ = ["VerificationResult", "model_forward", "verify", "verify_files"]
+__all__ = ["InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
+
+
+class InstanceLoadError(ValueError):
+    """An instance of a sharded run could not be loaded on some rank; raised on every rank of the group before
+    any bound is computed, so the ranks can report it and go on to the next instance together."""
 
 
 @dataclass
@@ -284,7 +289,9 @@ def verify_files(
     ``unknown``, the reason kept in ``counterexample_check``.
 
     Sharded (``plan``), every rank of the group calls it with the same files; the model is sharded right after
-    loading, and a file that fails to load on any rank raises on all of them before any bound is computed.
+    loading, and a file that fails to load on any rank raises :class:`InstanceLoadError` on all of them before
+    any bound is computed. Any later error is this rank's alone: it must end the run (the other ranks' next
+    collective then fails), never be caught and skipped, or the ranks' collectives would no longer match.
     """
     config, plan = config or VerifyConfig(), plan or ShardPlan()
     start = time.monotonic()
@@ -314,9 +321,9 @@ def _load_everywhere(onnx_path: str | Path, vnnlib_path: str | Path, plan: Shard
         messages: list[str | None] = [None] * dist.get_world_size(plan.group)
         dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", plan.group)
         failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-        if failed and error is None:
+        if failed:
             rank, message = failed[0]
-            raise RuntimeError(f"rank {rank} of the sharded group could not load the instance: {message}")
+            raise InstanceLoadError(f"rank {rank} of the sharded group could not load the instance: {message}")
     if error is not None:
         raise error
     return graph, prop

@@ -287,6 +287,27 @@ def test_a_2x2_mesh_spreads_instances_over_data_parallel_and_shards_each_over_te
         assert entry["verdict"] == ref.verdict.value and entry["root_margins"] == ref.root_margins
 
 
+@needs_mnist
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_rank_failing_mid_run_fails_the_whole_group_without_hanging(tmp_path, fail_rank):
+    from tests.verify.predict_worker import INJECTED
+
+    spec = {
+        "strategy": "fsdp",
+        "devices": 2,
+        "fail_rank": fail_rank,
+        "out": str(tmp_path / "results.json"),
+        # The first instance reaches α-CROWN; the second would be decided if the loop went on.
+        "instances": [[str(NET2), str(prop("6_0.03")), TIMEOUT], [str(NET2), str(prop("4_0.03")), TIMEOUT]],
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    result = run_isolated([sys.executable, str(WORKER), str(tmp_path / "spec.json")], LAUNCH_TIMEOUT_S)
+    assert result.returncode != 0 and "killed after" not in result.stderr, result.stderr[-3000:]
+    assert INJECTED in result.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
 # --- the command line --------------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from lightning_fedshard.verify.config import VerifyConfig
 from lightning_fedshard.verify.instances import Instance
 from lightning_fedshard.verify.lightning.data import VnncompInstances, as_instance
 from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode
-from lightning_fedshard.verify.verifier import verify_files
+from lightning_fedshard.verify.verifier import InstanceLoadError, verify_files
 
 __all__ = ["VerificationModule", "merge_rank_outputs", "predict_layout", "run_predict"]
 
@@ -50,8 +50,10 @@ class VerificationModule(LightningModule):
     ``root_margins``, ``time_s`` (wall, load included), ``times_s``, ``baseline_memory_bytes``,
     ``peak_memory_bytes``, ``rss_peak_bytes``, ``domains_bounded``, ``max_depth``, ``counterexample`` (the input
     as a list, or ``None``), ``counterexample_y``, ``counterexample_check``, and ``rank``/``dp_rank``/``tp_rank``.
-    A failing instance does not stop the loop: its error is reported (on every rank of the group, since a load
-    error on one rank raises on all of them) and the next instance is verified.
+    An instance that fails to load does not stop the loop: its error is reported (on every rank of the group,
+    since a load error on one rank raises on all of them) and the next instance is verified. An error in the
+    middle of a sharded run ends the run on every rank of the group (the rank that failed raises; the others'
+    next collective fails), so that no rank waits forever.
 
     Example::
 
@@ -151,7 +153,13 @@ class VerificationModule(LightningModule):
                 result = verify_files(
                     instance.onnx, instance.vnnlib, replace(self.config, timeout=instance.timeout), self.plan
                 )
-        except Exception as error:  # noqa: BLE001 (reported; in a sharded group every rank raises on a load error)
+        except InstanceLoadError as error:  # raised on every rank of the group, before any collective
+            out["error"] = f"{type(error).__name__}: {error}"
+        except Exception as error:
+            if self.plan.sharded:
+                # Mid-run, the other ranks wait in a collective of this instance: carrying on would mismatch
+                # them. Failing ends their wait too (a peer's exit breaks their collective) — all fail, none hang.
+                raise
             out["error"] = f"{type(error).__name__}: {error}"
         else:
             report = result.to_report()
