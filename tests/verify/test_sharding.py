@@ -16,7 +16,10 @@ from lightning_fedshard.verify.spec import Counterexample, check_counterexample
 from tests.launching import run_isolated
 from tests.verify import shard_worker
 
-pytestmark = pytest.mark.skipif(not shard_worker.MNIST.is_dir(), reason="needs ../shared/vnncomp/mnist_fc_2022")
+pytestmark = [
+    pytest.mark.skipif(not shard_worker.MNIST.is_dir(), reason="needs ../shared/vnncomp/mnist_fc_2022"),
+    pytest.mark.multiproc,
+]
 
 
 def _launch(tmp_path_factory: pytest.TempPathFactory, world: int, with_bab: bool, plans: list[str]) -> list[dict]:
