@@ -5,15 +5,13 @@ the dense (matrix) ones, their soundness on sampled points, and the memory they 
 from __future__ import annotations
 
 import math
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds, selection_rows
-from lightning_fedshard.verify.graph import BoundGraph, Node
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.memory import PeakMemoryMeter
 from lightning_fedshard.verify.ops import (
     Add,
     AvgPool2d,
@@ -27,6 +25,7 @@ from lightning_fedshard.verify.ops import (
     Reshape,
     contract,
 )
+from tests.verify.nets import resnet as build_resnet
 
 DTYPE = torch.float64  # the equivalence checks compare two exact rewritings, so rounding must not hide a mistake
 BATCH = 2
@@ -235,52 +234,6 @@ def test_dense_only_ops():
 # --------------------------------------------------------------------------- a conv ResNet
 
 
-class _Builder:
-    def __init__(self, input_shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = DTYPE) -> None:
-        self.gen, self.dtype = _gen(seed), dtype
-        self.nodes = [Node("x", None, (), input_shape)]
-
-    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, dtype=self.dtype) * scale
-
-    def add(self, name: str, op, *inputs: str) -> str:
-        inputs = inputs or (self.nodes[-1].name,)
-        shapes = {node.name: node.shape for node in self.nodes}
-        out = op.forward(*(torch.zeros(1, *shapes[i], dtype=self.dtype) for i in inputs))
-        self.nodes.append(Node(name, op, inputs, tuple(out.shape[1:])))
-        return name
-
-    def conv(self, name: str, out: int, **kwargs) -> str:
-        in_shape = self.nodes[-1].shape
-        weight = self.randn(out, in_shape[0], 3, 3, scale=(9 * in_shape[0]) ** -0.5)
-        return self.add(name, Conv2d(weight, self.randn(out, scale=0.1), in_shape, **kwargs))
-
-    def bn(self, name: str) -> str:
-        shape = self.nodes[-1].shape
-        c = shape[0]
-        gamma, var = self.randn(c, scale=0.3) + 1, torch.rand(c, generator=self.gen, dtype=self.dtype) + 0.5
-        return self.add(name, BatchNorm(gamma, self.randn(c, scale=0.1), self.randn(c, scale=0.1), var, 1e-5, shape))
-
-    def linear(self, name: str, out: int) -> str:
-        n = self.nodes[-1].shape[0]
-        return self.add(name, Linear(self.randn(out, n, scale=n**-0.5), self.randn(out, scale=0.1)))
-
-
-def _resnet(input_shape=(3, 16, 16), width=8, dtype=DTYPE) -> BoundGraph:
-    """conv-bn-relu, one residual block, a strided conv, 2 × 2 average pooling, flatten, linear-relu-linear."""
-    b = _Builder(input_shape, dtype=dtype)
-    same = {"pads": (1, 1, 1, 1)}
-    b.conv("stem", width, **same), b.bn("stem_bn"), b.add("stem_relu", ReLU())
-    b.conv("block_a", width, **same), b.bn("block_a_bn"), b.add("block_relu", ReLU())
-    b.conv("block_b", width, **same), b.bn("block_b_bn")
-    b.add("sum", Add(), "block_b_bn", "stem_relu"), b.add("sum_relu", ReLU())
-    b.conv("down", 2 * width, stride=(2, 2), pads=(0, 0, 1, 1)), b.add("down_relu", ReLU())
-    b.add("pool", AvgPool2d(b.nodes[-1].shape, (2, 2), (2, 2)))
-    b.add("flat", Reshape(b.nodes[-1].shape, (math.prod(b.nodes[-1].shape),)))
-    b.linear("fc1", 32), b.add("fc1_relu", ReLU()), b.linear("fc2", 10)
-    return BoundGraph(b.nodes)
-
-
 def _box(graph: BoundGraph, eps: float, batch: int = BATCH, dtype=DTYPE) -> Interval:
     center = torch.rand(batch, *graph.input.shape, generator=_gen(7), dtype=dtype)
     return Interval(center - eps, center + eps)
@@ -303,7 +256,7 @@ def _assert_same_bounds(got: dict[str, Interval], want: dict[str, Interval]) -> 
 
 @pytest.fixture(scope="module")
 def resnet():
-    graph, dtype = _resnet(dtype=torch.float32), torch.float32
+    graph, dtype = build_resnet(), torch.float32
     box = _box(graph, 0.01, dtype=dtype)
     patches = intermediate_bounds(graph, box, conv_mode="patches")
     matrix = intermediate_bounds(graph, box, conv_mode="matrix")
@@ -352,34 +305,8 @@ def test_resnet_patches_bounds_are_sound(resnet):
 # --------------------------------------------------------------------------- memory
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages created inside the context and alive at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self._seen:
-                    self._seen.add(key)
-                    self.live += nbytes
-                    weakref.finalize(storage, self._free, key, nbytes)
-        self.peak = max(self.peak, self.live)
-        return out
-
-
 def test_patches_mode_needs_far_less_memory_on_a_32x32_input():
-    graph = _resnet((3, 32, 32), width=16, dtype=torch.float32)
+    graph = build_resnet((3, 32, 32), width=16)
     box = _box(graph, 0.01, batch=1, dtype=torch.float32)
     # The same 200 neurons of every conv pre-activation in both modes (so that the dense run stays small), and
     # 4 of fc1, whose pass is dense in both modes.
@@ -388,8 +315,8 @@ def test_patches_mode_needs_far_less_memory_on_a_32x32_input():
     rows["fc1"] = torch.arange(4)
     peaks, results = {}, {}
     for mode in ("patches", "matrix"):
-        with torch.no_grad(), _LiveBytes() as meter:
+        with torch.no_grad(), PeakMemoryMeter() as meter:
             results[mode] = intermediate_bounds(graph, box, rows=rows, conv_mode=mode)
-        peaks[mode] = meter.peak
+        peaks[mode] = meter.peak_bytes
     assert peaks["matrix"] >= 5 * peaks["patches"], f"peak bytes {peaks}"
     _assert_same_bounds(results["patches"], results["matrix"])

@@ -7,25 +7,23 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 
 import pytest
 import torch
 
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
-from lightning_fedshard.verify.graph import BoundGraph, Node
+from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import (
     Add,
     AvgPool2d,
-    BatchNorm,
-    Conv2d,
     ElementwiseAffine,
     Interval,
     Linear,
     ReLU,
     Reshape,
 )
+from tests.verify.nets import GraphBuilder
 
 SAMPLES = 2000
 CORNER_DIMS = 10  # boxes of at most this many inputs also get all 2^d corners sampled
@@ -34,48 +32,8 @@ SPEC_ROWS = 4
 SEEDS = (0, 1, 2)
 
 
-class _Builder:
-    """Appends nodes to a graph; each node's shape is read off its op's forward on zeros, so the shapes stored in
-    the graph are what the ops really produce."""
-
-    def __init__(self, seed: int, input_shape: tuple[int, ...]) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-        self.nodes = [Node("x", None, (), input_shape)]
-        self.shapes = {"x": input_shape}
-
-    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen) * scale
-
-    def rand(self, *shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.gen)
-
-    def add(self, name: str, op, *inputs: str) -> str:
-        inputs = inputs or (self.nodes[-1].name,)
-        out = op.forward(*(torch.zeros(1, *self.shapes[i]) for i in inputs))
-        self.shapes[name] = tuple(out.shape[1:])
-        self.nodes.append(Node(name, op, inputs, self.shapes[name]))
-        return name
-
-    def linear(self, name: str, out: int, *inputs: str) -> str:
-        fan_in = self.shapes[inputs[0] if inputs else self.nodes[-1].name][-1]
-        return self.add(name, Linear(self.randn(out, fan_in, scale=fan_in**-0.5), self.randn(out, scale=0.3)), *inputs)
-
-    def conv(self, name: str, out: int, kernel: tuple[int, int], **kwargs) -> str:
-        in_shape = self.shapes[self.nodes[-1].name]
-        fan_in = in_shape[0] // kwargs.get("groups", 1)
-        weight = self.randn(out, fan_in, *kernel, scale=(fan_in * math.prod(kernel)) ** -0.5)
-        return self.add(name, Conv2d(weight, self.randn(out, scale=0.3), in_shape, **kwargs))
-
-    def flatten(self, name: str) -> str:
-        shape = self.shapes[self.nodes[-1].name]
-        return self.add(name, Reshape(shape, (math.prod(shape),)))
-
-    def batchnorm(self, name: str) -> str:
-        shape = self.shapes[self.nodes[-1].name]
-        channels = shape[0]
-        gamma = self.randn(channels) * 1.5  # some negative: the per-channel scale flips the interval
-        mean, var = self.randn(channels, scale=0.5), self.rand(channels) * 2 + 0.1
-        return self.add(name, BatchNorm(gamma, self.randn(channels, scale=0.3), mean, var, 1e-5, shape))
+class _Builder(GraphBuilder):
+    """The shared builder, with the random boxes these tests bound (``BATCH`` of them)."""
 
     def box(self) -> Interval:
         """A batch of random boxes; the first input of each has zero width (a fixed coordinate)."""
@@ -85,9 +43,6 @@ class _Builder:
         rad[:, 0] = 0
         rad = rad.view(shape)
         return Interval(center - rad, center + rad)
-
-    def graph(self) -> BoundGraph:
-        return BoundGraph(self.nodes)
 
 
 def _mlp(seed):
