@@ -120,24 +120,6 @@ class MemoryRow:
     bab_time: float
 
 
-def _domains(graph: BoundGraph, root, spec: OutputSpec, count: int) -> DomainBatch:
-    """``count`` copies of the root domain with the output slopes and zero β: the batch a search bounds."""
-    pres = list(graph.pre_activation.values())
-    lower = {pre: root.bounds[pre].lower for pre in pres}
-    one = DomainBatch(
-        lower=lower,
-        upper={pre: root.bounds[pre].upper for pre in pres},
-        splits={pre: torch.zeros_like(lower[pre], dtype=torch.int8) for pre in pres},
-        betas={pre: torch.zeros(spec.num_rows, *lower[pre].shape) for pre in pres},
-        alphas={name: alpha.detach().clone() for name, alpha in root.alphas.items()},
-        margins=root.lower.T - spec.rhs,
-        depth=torch.zeros(1, dtype=torch.long),
-        branch_layer=torch.zeros(1, dtype=torch.long),
-        branch_neuron=torch.zeros(1, dtype=torch.long),
-    )
-    return one.repeat(count)
-
-
 def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks: int, rank: int) -> MemoryRow:
     """One rank's baseline, root and branch-and-bound memory for ``graph`` (already sharded by ``plan``)."""
     prop = _property(graph)
@@ -157,7 +139,7 @@ def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks:
         root_time = time.monotonic() - start
         # Row-parallel branch-and-bound deals its domains out: each rank bounds its share.
         share = plan.partition.counts(BAB_DOMAINS)[plan.partition.rank] if plan.partition else BAB_DOMAINS
-        domains = _domains(graph, root, spec, share)
+        domains = DomainBatch.at_root(graph, spec, root).repeat(share)
         group = None if plan.row_parallel else plan.lockstep_group
         start = time.monotonic()
         with lockstep(group), PeakMemoryMeter(graph.device, resident + _domain_bytes(domains)) as bab_meter:

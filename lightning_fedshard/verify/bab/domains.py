@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.ops import Interval
+
+if TYPE_CHECKING:
+    from lightning_fedshard.verify.bounds.alpha import AlphaResult
+    from lightning_fedshard.verify.graph import BoundGraph
+    from lightning_fedshard.verify.objective import OutputSpec
 
 __all__ = ["DomainBatch", "DomainPool"]
 
@@ -41,6 +47,23 @@ class DomainBatch:
     depth: Tensor
     branch_layer: Tensor
     branch_neuron: Tensor
+
+    @classmethod
+    def at_root(cls, graph: BoundGraph, spec: OutputSpec, root: AlphaResult) -> DomainBatch:
+        """The one domain with nothing split: α-CROWN's bounds and output slopes at the root, β zero."""
+        pres = list(graph.pre_activation.values())
+        lower = {pre: root.bounds[pre].lower for pre in pres}
+        return cls(
+            lower=lower,
+            upper={pre: root.bounds[pre].upper for pre in pres},
+            splits={pre: torch.zeros_like(lower[pre], dtype=torch.int8) for pre in pres},
+            betas={pre: torch.zeros(spec.num_rows, *lower[pre].shape, dtype=lower[pre].dtype) for pre in pres},
+            alphas={name: alpha.clone() for name, alpha in root.alphas.items()},
+            margins=root.lower.T - spec.rhs,
+            depth=torch.zeros(1, dtype=torch.long),
+            branch_layer=torch.zeros(1, dtype=torch.long),
+            branch_neuron=torch.zeros(1, dtype=torch.long),
+        )
 
     def __len__(self) -> int:
         return self.margins.shape[0]

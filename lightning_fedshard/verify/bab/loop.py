@@ -53,22 +53,6 @@ class BabOutcome:
     open_domains: int
 
 
-def _root_domain(graph: BoundGraph, spec: OutputSpec, root: AlphaResult) -> DomainBatch:
-    pres = list(graph.pre_activation.values())
-    lower = {pre: root.bounds[pre].lower for pre in pres}
-    return DomainBatch(
-        lower=lower,
-        upper={pre: root.bounds[pre].upper for pre in pres},
-        splits={pre: torch.zeros_like(lower[pre], dtype=torch.int8) for pre in pres},
-        betas={pre: torch.zeros(spec.num_rows, *lower[pre].shape, dtype=lower[pre].dtype) for pre in pres},
-        alphas={name: alpha.clone() for name, alpha in root.alphas.items()},
-        margins=root.lower.T - spec.rhs,
-        depth=torch.zeros(1, dtype=torch.long),
-        branch_layer=torch.zeros(1, dtype=torch.long),
-        branch_neuron=torch.zeros(1, dtype=torch.long),
-    )
-
-
 def _primal_counterexample(graph: BoundGraph, spec: OutputSpec, corners: Tensor, margins: Tensor) -> Tensor | None:
     """The first minimising corner ``[S, N, *input]`` of an open row that is a real counterexample."""
     order = margins.T.flatten().argsort()[:_PRIMAL_CHECKS]
@@ -151,7 +135,7 @@ def branch_and_bound(
     """Decide the case that α-CROWN could not prove at the root (``root``: its bounds and slopes); with a
     ``domain_group`` the search is spread over its ranks (see the module docs)."""
     relu_names = [relu.name for relu in graph.relus]
-    start = _root_domain(graph, spec, root)
+    start = DomainBatch.at_root(graph, spec, root)
     with torch.no_grad():
         first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=relu_names)
     if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates).all():

@@ -31,19 +31,7 @@ from torch import Tensor
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.ops import BoundOp
 
-__all__ = ["FsdpStats", "WeightGatherer", "fsdp_shard"]
-
-
-@dataclass
-class FsdpStats:
-    """What the all-gathers of one sharded graph did: how many, how many bytes arrived per rank, and how many
-    were already in flight when needed."""
-
-    gathers: int = 0
-    gathered_bytes: int = 0
-    prefetch_hits: int = 0
-    #: Gathers for the backward pass of autograd (weights it saved, dropped after the forward step).
-    regathers: int = 0
+__all__ = ["WeightGatherer", "fsdp_shard"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +61,6 @@ class WeightGatherer:
         self.world = dist.get_world_size(group)
         self.position = {id(op): i for i, op in enumerate(order)}
         self.order = order
-        self.stats = FsdpStats()
         self._flight: _Flight | None = None
 
     def _launch(self, op: BoundOp, async_op: bool) -> _Flight:
@@ -83,8 +70,6 @@ class WeightGatherer:
             full = shard.new_empty(shard.numel() * self.world)
             work.append(dist.all_gather_single(full, shard, group=self.group, async_op=async_op))
             buffers[name] = full
-            self.stats.gathered_bytes += full.numel() * full.element_size()
-        self.stats.gathers += 1
         return _Flight(op, buffers, work)
 
     def full_weights(self, op: BoundOp, direction: int) -> dict[str, Tensor]:
@@ -93,9 +78,7 @@ class WeightGatherer:
         if flight is not None:
             for work in flight.work:
                 work.wait()
-        if flight is not None and flight.op is op:
-            self.stats.prefetch_hits += 1
-        else:
+        if flight is None or flight.op is not op:
             flight = self._launch(op, async_op=False)
         if self.prefetch:
             neighbour = self.position[id(op)] + direction
@@ -117,18 +100,10 @@ class WeightGatherer:
         def unpack(saved):
             if not isinstance(saved, _SavedWeight):
                 return saved
-            self.stats.regathers += 1
             buffer = self._launch(saved.op, async_op=False).buffers[saved.name]
             return buffer.as_strided(saved.size, saved.stride, saved.offset)
 
         return pack, unpack
-
-    def drain(self) -> None:
-        """Wait for a prefetch still in flight (before collectives of another kind, or at the end of a run)."""
-        flight, self._flight = self._flight, None
-        if flight is not None:
-            for work in flight.work:
-                work.wait()
 
 
 def _entry(method: Callable, direction: int) -> Callable:
@@ -178,8 +153,7 @@ def fsdp_shard(graph: BoundGraph, group: dist.ProcessGroup, prefetch: bool = Tru
     """A copy of ``graph`` whose weights (float constants of ≥ 2 dimensions) are sharded over ``group``: this
     rank keeps ``ceil(numel / P)`` elements of each, flattened (zero-padded at the end).
 
-    ``graph`` itself is left as it is; drop it to free the full weights. The returned graph's
-    ``fsdp_gatherer`` holds the all-gather statistics.
+    ``graph`` itself is left as it is; drop it to free the full weights.
 
     Example::
 
@@ -207,8 +181,7 @@ def fsdp_shard(graph: BoundGraph, group: dist.ProcessGroup, prefetch: bool = Tru
             op._fsdp_active = False
             weighted.append(op)
         nodes.append(Node(node.name, op, node.inputs, node.shape))
-    sharded = BoundGraph(nodes, graph.output.name)
-    sharded.fsdp_gatherer = WeightGatherer(group, weighted, prefetch)
+    gatherer = WeightGatherer(group, weighted, prefetch)
     for op in weighted:
-        op._fsdp_gatherer = sharded.fsdp_gatherer
-    return sharded
+        op._fsdp_gatherer = gatherer
+    return BoundGraph(nodes, graph.output.name)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "collective_device", "current_group", "lockstep", "past"]
+__all__ = ["agree", "collective_device", "lockstep", "past"]
 
 _group: list[dist.ProcessGroup | None] = [None]
 
@@ -29,10 +29,6 @@ def lockstep(group: dist.ProcessGroup | None) -> Iterator[None]:
         yield
     finally:
         _group.pop()
-
-
-def current_group() -> dist.ProcessGroup | None:
-    return _group[-1]
 
 
 def agree(flag: bool) -> bool:
