@@ -18,6 +18,7 @@ __all__ = [
     "apply_fsdp",
     "broadcast_initial_state",
     "check_fully_sharded",
+    "fsdp_units",
     "is_sharded",
     "materialize",
     "reshard_all",
@@ -53,21 +54,26 @@ def apply_fsdp(
     children, not ``module`` itself, close the wrapping: a LightningModule runs its layers from
     ``training_step`` and never through its own ``forward``, where FSDP2 would gather a root unit.
     """
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
-    block_types = tuple(auto_wrap)
-    if block_types:
-        for sub in list(module.modules()):
-            if sub is not module and isinstance(sub, block_types) and not isinstance(sub, FSDPModule):
-                fully_shard(sub, **kwargs)
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
         raise ValueError(
             f"{type(module).__name__} holds parameters {own} directly; FSDP2 cannot shard them without a forward"
             " that runs them. Move them into a submodule."
         )
-    for child in module.children():
-        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for unit in fsdp_units(module, auto_wrap):
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, **kwargs)
+
+
+def fsdp_units(module: nn.Module, auto_wrap: Sequence[type[nn.Module]] = ()) -> list[nn.Module]:
+    """The modules :func:`apply_fsdp` makes FSDP2 units, in the order it shards them: every instance of the
+    ``auto_wrap`` classes, then each top-level child that holds parameters. The top-level ones are FSDP2
+    roots, which keep their parameters gathered from forward to backward."""
+    block_types = tuple(auto_wrap)
+    units = [sub for sub in module.modules() if sub is not module and block_types and isinstance(sub, block_types)]
+    units += [child for child in module.children() if child not in units and any(True for _ in child.parameters())]
+    return units
 
 
 def check_fully_sharded(module: nn.Module) -> None:

@@ -20,7 +20,7 @@ __all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager"]
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 SYNC_MODES = ("all_replicas", "leader")
 
-_BUCKET_BYTES = 64 * 1024 * 1024
+BUCKET_BYTES = 64 * 1024 * 1024
 
 
 class FedAverager:
@@ -105,7 +105,7 @@ class FedAverager:
             local.copy_(ref)
 
     def _mean_across_groups_(self, tensors: list[torch.Tensor]) -> None:
-        for bucket in _buckets(tensors, _BUCKET_BYTES // self._sync_dtype.itemsize):
+        for bucket in _buckets(tensors, BUCKET_BYTES // self._sync_dtype.itemsize):
             flat = torch.cat([t.reshape(-1).to(self._sync_dtype) for t in bucket])
             self._all_reduce_mean_(flat)
             offset = 0
