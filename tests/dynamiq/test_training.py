@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from lightning_fedshard import FLHSDPStrategy
+from lightning_fedshard.bench.costmodel import ShardedSizes, Workload, fed_sync_bytes
 from lightning_fedshard.dynamiq import Compression, DynamiQ
+from lightning_fedshard.strategies.dims import FedShardDims
+from tests.dynamiq.train_worker import Regression
 from tests.launching import run_isolated
 
 WORKER = Path(__file__).with_name("train_worker.py")
@@ -112,6 +115,22 @@ def test_fl_hsdp_compresses_fedavg_and_composes_with_bf16_mixed(run) -> None:
     # the run ends on a sync: every rank of every group holds the same consensus, bit for bit
     assert_replicas_identical(ranks)
     assert tail_loss(ranks) < ranks[0]["losses"][0]
+
+
+@pytest.mark.multiproc
+def test_compressed_fedavg_bytes_equal_the_cost_model(run) -> None:
+    ranks = run("fl_hsdp_plugin")
+    plugin = DDP_CASES["fl_hsdp_plugin"]["plugin"]
+    compression = Compression(bits=plugin["bits"], min_numel=plugin["min_numel"])
+    numel = sum(p.numel() for p in Regression({}).net.parameters())  # shard_size 1: every rank averages all of it
+    workload = Workload(FedShardDims(2, 2, 1), ShardedSizes.ideal(numel, 1, units=1, root_numel=numel),
+                        sync_every=4, fed_compression=compression)  # fmt: skip
+    expected = float(torch.tensor(fed_sync_bytes(workload)["fed"], dtype=torch.float32))  # logged as float32
+    for rank in ranks:
+        syncs = [s["comm/fed_bytes"] for s in rank["metrics"] if s["comm/fed_bytes"] > 0]
+        assert syncs == [expected] * (STEPS // 4)
+    # below 5 bits per coordinate of the exact fp32 ring, which sends 2·(F-1)/F·numel·4 bytes
+    assert expected < 5 / 32 * numel * 4
 
 
 def test_plugin_settings_are_checked_before_any_process_starts() -> None:
