@@ -10,6 +10,7 @@ BENCHMARKS = {
     "compression": "lightning_fedshard.bench.compression",
     "verify-memory": "lightning_fedshard.bench.verify_memory",
     "costmodel": "lightning_fedshard.bench.costmodel",
+    "multitier": "lightning_fedshard.bench.multitier",
 }
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "link_bytes",
     "main",
     "mean_step_bytes",
+    "node_egress_bytes",
     "step_bytes",
     "step_time",
 ]
@@ -405,7 +406,7 @@ _HOPS_PER_MEMBER = {"all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_r
 def _seconds(c: _Collectives, ring: _Ring, cluster: Cluster) -> float:
     if ring.members == 1 or not c.nbytes:
         return 0.0
-    widen = cluster.reduce_scatter_factor if c.kind == "reduce_scatter" else 1.0
+    widen = _widening(c, cluster)
     hops = c.calls * _HOPS_PER_MEMBER[c.kind] * (ring.members - 1) * widen
     if ring.nodes == 1:
         latency, bandwidth = cluster.intra_node_latency, cluster.intra_node_bandwidth
@@ -413,6 +414,25 @@ def _seconds(c: _Collectives, ring: _Ring, cluster: Cluster) -> float:
         latency = cluster.inter_node_latency
         bandwidth = cluster.inter_node_bandwidth * ring.per_node / cluster.devices_per_node
     return c.calls * cluster.call_latency + hops * latency + widen * c.nbytes / bandwidth
+
+
+def _widening(c: _Collectives, cluster: Cluster) -> float:
+    return cluster.reduce_scatter_factor if c.kind == "reduce_scatter" else 1.0
+
+
+def node_egress_bytes(w: Workload, cluster: Cluster) -> float:
+    """Bytes one node sends to other nodes per step (cross-group round amortised), as the backend puts them on
+    the wire: each ring that spans nodes leaves every node once, carrying one rank's share."""
+    rings = _rings(w.dims, cluster.devices_per_node)
+
+    def egress(c: _Collectives) -> float:
+        ring = rings[c.tier]
+        if ring.nodes == 1:
+            return 0.0
+        return _widening(c, cluster) * c.nbytes * cluster.devices_per_node / ring.per_node
+
+    step = sum(egress(c) for c in _step_collectives(w))
+    return step + sum(egress(c) for c in _sync_collectives(w)) / w.sync_every
 
 
 # ---- the reference cluster and the 512-GPU report --------------------------------------------------------

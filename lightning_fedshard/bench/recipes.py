@@ -21,7 +21,17 @@ from pathlib import Path
 
 from lightning_fedshard.strategies.ledger import TIERS
 
-__all__ = ["RecipeResult", "demo", "format_table", "main", "metrics_path", "read_metrics", "run_recipe", "summarize"]
+__all__ = [
+    "RecipeResult",
+    "demo",
+    "fit_arguments",
+    "format_table",
+    "main",
+    "metrics_path",
+    "read_metrics",
+    "run_recipe",
+    "summarize",
+]
 
 TINY = Path("recipes/tiny")
 
@@ -89,23 +99,28 @@ def metrics_path(out_dir: Path, name: str) -> Path:
     return out_dir / name / "csv" / "version_0" / "metrics.csv"
 
 
-def run_recipe(config: Path, out_dir: Path, overrides: list[str], name: str | None = None) -> RecipeResult:
-    """``fedshard fit --config config`` with a CSV logger under ``out_dir``; fails with the run's log tail.
-    ``name`` (default: the recipe's file name) keeps several runs of one recipe apart."""
+def fit_arguments(config: Path, out_dir: Path, overrides: list[str], name: str) -> list[str]:
+    """``fedshard fit`` arguments (after ``python -m lightning_fedshard.cli``) for one comparable run of
+    ``config``: a CSV logger at :func:`metrics_path`, every step logged, no checkpoints."""
     if not config.is_file():
         raise FileNotFoundError(f"No recipe at {str(config)!r} (run from the repository root, or pass --configs).")
-    name = name or config.stem
-    save_dir = out_dir / name
-    command = [
-        sys.executable, "-m", "lightning_fedshard.cli", "fit", "--config", str(config),
+    return [
+        "fit", "--config", str(config),
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.init_args.save_dir={save_dir}",
+        f"--trainer.logger.init_args.save_dir={out_dir / name}",
         "--trainer.logger.init_args.name=csv",
         "--trainer.logger.init_args.version=0",
         "--trainer.log_every_n_steps=1",
         "--trainer.enable_checkpointing=false",  # a comparison keeps no checkpoints
         *overrides,
     ]  # fmt: skip
+
+
+def run_recipe(config: Path, out_dir: Path, overrides: list[str], name: str | None = None) -> RecipeResult:
+    """``fedshard fit --config config`` with a CSV logger under ``out_dir``; fails with the run's log tail.
+    ``name`` (default: the recipe's file name) keeps several runs of one recipe apart."""
+    name = name or config.stem
+    command = [sys.executable, "-m", "lightning_fedshard.cli", *fit_arguments(config, out_dir, overrides, name)]
     log = out_dir / f"{name}.log"
     with log.open("w") as f:
         code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
