@@ -125,7 +125,12 @@ def machine_cluster(calibration: dict[str, float], rate_mbit: float, mtu: int = 
 class LinkBytesMonitor(Callback):
     """Counts the bytes its node's link sends during training, validation and set-up excluded, and writes
     ``{"bytes": ..., "steps": ...}`` to ``<directory>/node<N>.json`` (local rank 0 of each node reads the
-    kernel counter of ``interface``, which every process of the namespace shares)."""
+    kernel counter of ``interface``, which every process of the namespace shares).
+
+    Example::
+
+        trainer = Trainer(callbacks=[LinkBytesMonitor("runs/link")], ...)  # inside a NamespaceCluster node
+    """
 
     def __init__(self, directory: str, interface: str = "eth0") -> None:
         self.directory = Path(directory)
@@ -133,27 +138,30 @@ class LinkBytesMonitor(Callback):
         self.sent = 0
         self._since: int | None = None
 
-    def _read(self) -> int:
-        return int(self.counter.read_text())
-
-    def _pause(self) -> None:
+    def _mark(self, trainer: pl.Trainer, counting: bool) -> None:
+        """Ends the counted span, or starts one. The barrier first: a link is one FIFO queue, so once the
+        barrier's message has crossed, every byte this node queued before it has been sent and counted."""
+        trainer.strategy.barrier()
+        if trainer.local_rank != 0:
+            return
+        now = int(self.counter.read_text())
         if self._since is not None:
-            self.sent += self._read() - self._since
-            self._since = None
+            self.sent += now - self._since
+        self._since = now if counting else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.local_rank == 0:
-            self._since = self._read()
+        self._mark(trainer, counting=True)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._pause()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._mark(trainer, counting=False)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.local_rank == 0 and trainer.state.fn == TrainerFn.FITTING:  # back to training steps
-            self._since = self._read()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._mark(trainer, counting=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._pause()
+        self._mark(trainer, counting=False)
         if trainer.local_rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             record = {"bytes": self.sent, "steps": trainer.global_step}
@@ -355,6 +363,14 @@ def format_table(runs: list[Run]) -> str:
                 + f" {r.node_egress_bytes / 1e6:9.3f} {r.predicted_egress_bytes / 1e6:8.3f}"
                 f" {r.measured_step_s:7.3f} {r.predicted_step_s:7.3f} {error:+6.1%}"
             )
+        lines.append(f"  ratios to hsdp at {rate:g} Mbit/s:")
+        for r in at_rate:
+            lines.append(
+                f"    {r.name:<16} tokens/s ×{r.tokens_per_s / base.tokens_per_s:.2f}"
+                f"   val loss ×{r.val_loss / base.val_loss:.3f}"
+                f"   ledger bytes/step ×{sum(r.ledger_bytes.values()) / sum(base.ledger_bytes.values()):.3f}"
+                f"   link bytes/step ×{r.node_egress_bytes / base.node_egress_bytes:.3f}"
+            )
     worst = max(abs(r.predicted_step_s / r.measured_step_s - 1) for r in runs)
     lines += ["", f"largest step-time error of the cost model: {worst:.1%}"]
     return "\n".join(lines)
@@ -407,10 +423,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--val-batches", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-multitier"))
+    parser.add_argument("--from-results", type=Path, help="print the table and redraw the plots of a results.json")
     parser.add_argument("--calibrate-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.calibrate_worker:
         calibrate_worker(args.calibrate_worker)
+        return
+    if args.from_results:
+        runs = [Run(**r) for r in json.loads(args.from_results.read_text())["runs"]]
+        print(format_table(runs))
+        print("\nplots: " + ", ".join(map(str, plot(runs, args.from_results.parent))))
         return
     unknown = set(args.runs) - {name for name, _, _ in RUNS}
     if unknown or "hsdp" not in args.runs:
