@@ -86,7 +86,9 @@ class ShardedSizes:
         padded = root_padded = 0
         local = 0
         for name, param in module.named_parameters():
-            is_root = next(root for prefix, root in prefixes if name.startswith(prefix))
+            is_root = next((root for prefix, root in prefixes if name.startswith(prefix)), None)
+            if is_root is None:
+                raise ValueError(f"{name} is in no FSDP unit; apply_fsdp refuses such a module.")
             rows = param.shape[0] if param.dim() else 1
             per_row = param.numel() // rows
             chunk = -(-rows // shard_size)
@@ -298,20 +300,13 @@ def _rings(dims: FedShardDims, devices_per_node: int) -> dict[str, _Ring]:
     rings = {}
     for tier in TIERS:
         stride, members, g = strides[tier], sizes[tier], devices_per_node
-        if stride >= g:
-            if stride % g:
-                raise ValueError(f"{tier}: ranks {stride} apart do not map onto nodes of {g} devices.")
+        span = stride * members
+        if members == 1 or stride % g == 0:
             per_node = 1
-        else:
-            if (
-                g % stride
-                or (members * stride > g and (members * stride) % g)
-                or (members * stride < g and g % (members * stride))
-            ):
-                raise ValueError(
-                    f"{tier}: groups of {members} ranks {stride} apart split nodes of {g} devices unevenly."
-                )
+        elif g % stride == 0 and (g % span == 0 or span % g == 0):
             per_node = min(members, g // stride)
+        else:
+            raise ValueError(f"{tier}: groups of {members} ranks {stride} apart split nodes of {g} devices unevenly.")
         rings[tier] = _Ring(members, per_node)
     return rings
 

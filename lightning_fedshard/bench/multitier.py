@@ -66,7 +66,7 @@ class Run:
     ledger_bytes: dict[str, float]
     """Mean bytes one rank sends per step, per mesh tier, as the strategy's ledger logged them."""
     node_egress_bytes: float
-    """Bytes per step that left node 0 through its link (kernel counter, headers included, whole run)."""
+    """Bytes per step that left node 0 through its link (kernel counter, headers included, training steps only)."""
     measured_step_s: float
     predicted_step_s: float
     predicted_egress_bytes: float
@@ -342,7 +342,7 @@ def format_table(runs: list[Run]) -> str:
     lines = [
         (
             "tokens/s: all ranks, training steps; ledger B/step: one rank, per tier; egress: bytes node 0 sent to the"
-            " other node per step (kernel counter, whole run) against the model's wire bytes"
+            " other node per training step (kernel counter, validation excluded) against the model's wire bytes"
         ),
     ]
     for rate in sorted({r.rate_mbit for r in runs}):
@@ -378,6 +378,7 @@ def format_table(runs: list[Run]) -> str:
 
 def plot(runs: list[Run], out_dir: Path) -> list[Path]:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -390,28 +391,36 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         ax.plot([r.rate_mbit for r in mine], [r.tokens_per_s for r in mine], style, marker="o", label=name)
     ax.set(xscale="log", xlabel="link rate between nodes (Mbit/s)", ylabel="tokens/s (all ranks)")
     ax.set_title(f"tiny Llama 3.1, {NODES} nodes × {RANKS_PER_NODE} ranks, shaped links")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    throughput = out_dir / "multitier_throughput.png"
-    fig.savefig(throughput, dpi=120)
-    plt.close(fig)
+    throughput = _save(fig, ax, out_dir / "multitier_throughput.png")
 
     fig, ax = plt.subplots(figsize=(5, 5))
-    top = max(max(r.measured_step_s, r.predicted_step_s) for r in runs) * 1.15
-    ax.plot([0, top], [0, top], "k-", lw=0.8, label="equal")
-    ax.fill_between([0, top], [0, 0.75 * top], [0, 1.25 * top], color="grey", alpha=0.15, label="±25 %")
+    times = [t for r in runs for t in (r.measured_step_s, r.predicted_step_s)]
+    low, high = min(times) / 1.3, max(times) * 1.3
+    ax.plot([low, high], [low, high], "k-", lw=0.8, label="equal")
+    ax.fill_between([low, high], [0.75 * low, 0.75 * high], [1.25 * low, 1.25 * high], color="grey", alpha=0.15,
+                    label="±25 %")  # fmt: skip
     for name in names:
         mine = [r for r in runs if r.name == name]
         ax.scatter([r.measured_step_s for r in mine], [r.predicted_step_s for r in mine], label=name, s=25)
-    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step time (s)", ylabel="cost model (s)")
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured step time (s)",
+           ylabel="cost model (s)")  # fmt: skip
+    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 20) if low <= t <= high]
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    return [throughput, _save(fig, ax, out_dir / "multitier_measured_vs_model.png")]
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    scatter = out_dir / "multitier_measured_vs_model.png"
-    fig.savefig(scatter, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [throughput, scatter]
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

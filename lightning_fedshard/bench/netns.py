@@ -59,6 +59,20 @@ def check_available() -> None:
     problems += [f"`{tool}` is not on PATH (install iproute2)" for tool in ("ip", "tc") if shutil.which(tool) is None]
     if problems:
         raise ClusterUnavailable("cannot build a namespace cluster: " + "; ".join(problems))
+    # root inside a container may still lack CAP_NET_ADMIN: only creating a namespace tells. The name follows
+    # the cluster pattern, so that a probe left behind by a killed process is removed as stale.
+    probe = f"{_NAME_PREFIX}{os.getpid()}-{next(_cluster_ids)}-n0"
+    _run(["ip", "netns", "add", probe])
+    _run(["ip", "netns", "del", probe])
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`check_available` fails here, or None when a cluster can be built (for skip conditions)."""
+    try:
+        check_available()
+    except ClusterUnavailable as why:
+        return str(why)
+    return None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_fedshard.bench import multitier
 from lightning_fedshard.bench.costmodel import mean_step_bytes
-from lightning_fedshard.bench.netns import ClusterUnavailable, check_available
+from lightning_fedshard.bench.netns import ClusterUnavailable, unavailable_reason
 from tests.launching import REPO, run_isolated
 
 TINY = REPO / "recipes" / "tiny"
@@ -97,16 +97,8 @@ def test_bad_arguments_and_a_missing_network_are_reported_before_anything_starts
         multitier.main([])
 
 
-def _unavailable() -> str | None:
-    try:
-        check_available()
-    except ClusterUnavailable as why:
-        return str(why)
-    return None
-
-
 @pytest.mark.multiproc
-@pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_one_shaped_run_end_to_end(tmp_path):
     out = tmp_path / "multitier"
     command = [sys.executable, "-m", "lightning_fedshard.bench", "multitier", "--rates", "400", "--runs", "hsdp",

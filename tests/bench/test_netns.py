@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fedshard.bench.netns import ClusterUnavailable, NamespaceCluster, check_available
+from lightning_fedshard.bench.netns import ClusterUnavailable, NamespaceCluster, check_available, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _unavailable_reason() -> str | None:
-    try:
-        check_available()
-    except ClusterUnavailable as err:
-        return str(err)
-    return None
-
-
-UNAVAILABLE = _unavailable_reason()
+UNAVAILABLE = unavailable_reason()
 needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 
