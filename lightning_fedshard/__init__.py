@@ -2,7 +2,9 @@
 
 Importing the package registers the strategy names ``"fl_fsdp"``, ``"fl_hsdp"``, ``"fsdp2"``, ``"hsdp"`` and
 ``"ddp_dynamiq"``; ``lightning_fedshard.dynamiq`` holds the compressed collectives and the ``DynamiQ`` plugin;
-``lightning_fedshard.verify`` the neural-network verifier (``verify_files(onnx, vnnlib, VerifyConfig())``).
+``lightning_fedshard.verify`` the neural-network verifier (``verify_files(onnx, vnnlib, VerifyConfig())``);
+``lightning_fedshard.bench.costmodel`` the communication and time cost of a training step
+(``step_time(Workload.for_llama(...), LEONARDO)``).
 """
 
 from lightning_fedshard.data import TextDataModule
