@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -76,18 +76,21 @@ class Run:
 # ---- the cost model's view of a recipe and of this machine ------------------------------------------------
 
 
-def recipe_workload(config_path: Path, fed_bits: float | None = None) -> Workload:
-    """The tiny recipe ``config_path`` as a :class:`Workload` (its mesh, model, batch and sync interval)."""
+def recipe_workload(config_path: Path, fed_bits: float | None = None, dims: FedShardDims | None = None) -> Workload:
+    """The tiny recipe ``config_path`` as a :class:`Workload` (its mesh, model, batch and sync interval);
+    ``dims`` replaces the recipe's mesh, and the shards are sized for it."""
+    import torch
     from torch import nn
 
     from lightning_fedshard.models import Llama, LlamaConfig, TransformerBlock
 
     config = yaml.safe_load(config_path.read_text())
     init = config["trainer"]["strategy"]["init_args"]
-    dims = FedShardDims(init.get("num_groups", 1), init.get("replicate_size", 1), init["shard_size"])
+    dims = dims or FedShardDims(init.get("num_groups", 1), init.get("replicate_size", 1), init["shard_size"])
     llama = LlamaConfig.from_name(config["model"]["preset"])
     holder = nn.Module()
-    holder.model = Llama(llama)  # the LightningModule's one child with parameters
+    with torch.device("meta"):  # only the shapes count
+        holder.model = Llama(llama)  # the LightningModule's one child with parameters
     seq_len, batch = config["data"]["seq_len"], config["data"]["batch_size"]
     return Workload(
         dims,
@@ -275,7 +278,7 @@ def calibrate(cluster: NamespaceCluster, args: argparse.Namespace) -> dict[str, 
         joint=False,
     )
     rates = [summarize(name, read_metrics(metrics_path(out, name))).tokens_per_s for name in names]
-    workload = replace(recipe_workload(config), dims=FedShardDims(1, 1, RANKS_PER_NODE))
+    workload = recipe_workload(config, dims=FedShardDims(1, 1, RANKS_PER_NODE))
     step_s = workload.dims.world_size * workload.tokens_per_step / statistics.mean(rates)
     comm_only = machine_cluster({**calibration, "flops_per_s": math.inf}, rate_mbit=1.0)
     compute_s = step_s - step_time(workload, comm_only).total
