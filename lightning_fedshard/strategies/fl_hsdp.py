@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import gc
 import importlib
 from collections.abc import Sequence
 from datetime import timedelta
@@ -47,6 +45,7 @@ from lightning_fedshard.strategies.apply import (
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
+from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     META_FILENAME,
@@ -434,28 +433,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         super().teardown()
         if self._process_group_backend == "gloo" and not self._failed:
-            _shutdown_gloo_at_exit()
-
-
-_SHUTDOWN_REGISTERED = False
-
-
-def _shutdown_gloo_at_exit() -> None:
-    """FSDP2 on gloo may release its last collective's work object on a gloo thread after the interpreter
-    started finalising, which aborts the process ("terminate called without an active exception").
-    Destroying the process group while Python is still alive releases it in time."""
-    global _SHUTDOWN_REGISTERED
-    if not _SHUTDOWN_REGISTERED:
-        atexit.register(_destroy_process_group)
-        _SHUTDOWN_REGISTERED = True
-
-
-def _destroy_process_group() -> None:
-    gc.collect()
-    if dist.is_initialized():
-        dist.monitored_barrier(timeout=timedelta(seconds=60))
-        dist.destroy_process_group()
-    gc.collect()
+            destroy_process_group_at_exit()
 
 
 def _resolve_dtype(dtype: str | torch.dtype, owner: str) -> torch.dtype:

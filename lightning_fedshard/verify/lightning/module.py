@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
+from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
 from lightning_fedshard.verify.config import VerifyConfig
 from lightning_fedshard.verify.instances import Instance
 from lightning_fedshard.verify.lightning.data import VnncompInstances, as_instance
@@ -311,8 +312,8 @@ def run_predict(
     gathered: list[list[dict] | None] = [None] * trainer.world_size
     dist.all_gather_object(gathered, list(outputs))
     rank = trainer.global_rank
-    # The process group stays: destroying it while a peer exits aborts gloo now and then ("terminate called
-    # without an active exception"); Lightning destroys NCCL groups at exit itself.
+    if backend == "gloo":  # every rank got this far, so every rank will meet the exit handler's barrier
+        destroy_process_group_at_exit()
     if rank != 0:
         return None
     return merge_rank_outputs([o for per_rank in gathered for o in per_rank], tensor_parallel, datamodule.instances)
