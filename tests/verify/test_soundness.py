@@ -1,4 +1,4 @@
-"""Soundness of IBP, CROWN and α-CROWN on small hand-built graphs: points sampled in the input box (its corners
+"""Soundness of IBP, CROWN, forward-mode bounds and α-CROWN on small hand-built graphs: points sampled in the input box (its corners
 too, where there are few) must never leave the computed bounds, for every operator and every method; plus the
 orderings α-CROWN ≥ CROWN and intersected ≥ replaced intermediate bounds, and a deliberately wrong ReLU
 relaxation that the same check must catch (so that it is able to fail)."""
@@ -13,6 +13,7 @@ import torch
 
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
+from lightning_fedshard.verify.bounds.forward import forward_bounds
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import (
     Add,
@@ -311,6 +312,22 @@ def test_crown_is_sound(name, seed, intersect_ibp):
 
 
 @pytest.mark.parametrize(("name", "seed"), CASES)
+def test_forward_mode_bounds_are_sound(name, seed):
+    graph, box, values, C = _case(name, seed)
+    bounds = forward_bounds(graph, box)
+    assert _interval_violations(bounds, values) == []
+    ibp = graph.ibp(box)  # never looser than interval propagation (up to its rounding)
+    for node, interval in ibp.items():
+        assert (bounds[node].lower >= interval.lower - _tolerance(interval.lower)).all(), node
+        assert (bounds[node].upper <= interval.upper + _tolerance(interval.upper)).all(), node
+    # CROWN passes started from them (the intersection can only tighten what CROWN refines)
+    both = intermediate_bounds(graph, box, forward=True)
+    assert _interval_violations(both, values) == []
+    lower = backward_bound(graph, graph.output.name, C, box, both).lower
+    assert _lower_violations("lower", C, lower, values[graph.output.name]) == []
+
+
+@pytest.mark.parametrize(("name", "seed"), CASES)
 def test_alpha_crown_is_sound_and_not_looser_than_crown(name, seed):
     graph, box, values, C = _case(name, seed)
     # One optimisation for the rows C (lower bounds) and -C (upper bounds) together.
@@ -375,3 +392,4 @@ def test_wrong_relaxation_is_caught(monkeypatch):
     minus_identity = -torch.eye(8).unsqueeze(1).expand(8, BATCH, 8)
     assert _crown_violations(end, box, values, minus_identity, intersect_ibp=True)
     assert _crown_violations(graph, box, values, C, intersect_ibp=True)
+    assert _interval_violations(forward_bounds(end, box), values)

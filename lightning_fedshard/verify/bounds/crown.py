@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.bounds.forward import ForwardPass
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract
+from lightning_fedshard.verify.shard.lockstep import check_deadline
 from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = ["Backward", "backward_bound", "intermediate_bounds", "selection_rows", "spec_lower", "unstable_neurons"]
@@ -167,6 +169,8 @@ def intermediate_bounds(
     used_rows: dict[str, Tensor] | None = None,
     conv_mode: str = "patches",
     partition: RowPartition | None = None,
+    forward: bool = False,
+    deadline: float | None = None,
 ) -> dict[str, Interval]:
     """Bounds of every node up to the output: interval propagation, with each pre-activation node tightened by
     CROWN on its unstable neurons (``crown=False``: IBP alone).
@@ -185,14 +189,26 @@ def intermediate_bounds(
 
     With a ``partition`` each pass bounds only this rank's chunk of the refined neurons (``alphas`` hold that
     chunk's rows) and the ranks exchange the results: every rank ends with all the bounds.
+
+    ``forward=True`` also intersects every node with its forward-mode linear bounds
+    (:class:`~lightning_fedshard.verify.bounds.forward.ForwardPass`, built from the bounds refined so far) before
+    choosing the unstable neurons: cheap for few inputs, and fewer neurons left for CROWN to refine.
+
+    Before each CROWN pass the ``deadline`` (a ``time.monotonic()`` value) is checked:
+    :class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded` once it has passed.
     """
     if conv_mode not in ("patches", "matrix"):
         raise ValueError(f"conv_mode must be 'patches' or 'matrix', got {conv_mode!r}")
     pre_activations = set(graph.pre_activation.values())
     bounds: dict[str, Interval] = {graph.input.name: box}
+    linear = ForwardPass(box) if forward else None
+    if linear is not None:
+        linear.tighten(graph.input, box, bounds)
     batch = box.lower.shape[0]
     for node in graph.nodes[1:]:
         interval = node.op.ibp(*(bounds[name] for name in node.inputs))
+        if linear is not None:
+            interval = linear.tighten(node, interval, bounds)
         if node.name in pre_activations:
             if reference is not None and node.name in reference:
                 ref = reference[node.name]
@@ -202,6 +218,7 @@ def intermediate_bounds(
                 if used_rows is not None:
                     used_rows[node.name] = index
                 if index.numel():
+                    check_deadline(deadline)
                     start_alphas = alphas.get(node.name) if alphas is not None else None
                     mine = index if partition is None else index[partition.span(index.numel())]
                     if conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name):

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "collective_device", "lockstep", "past"]
+__all__ = ["DeadlineExceeded", "agree", "check_deadline", "collective_device", "lockstep", "past"]
 
 _group: list[dist.ProcessGroup | None] = [None]
 
@@ -51,3 +51,14 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
 def past(deadline: float | None) -> bool:
     """Whether the deadline (a ``time.monotonic()`` value) has passed on any rank of the current group."""
     return agree(deadline is not None and time.monotonic() > deadline)
+
+
+class DeadlineExceeded(Exception):
+    """Raised inside a bound computation whose deadline passed (on every rank of the group at once), so that a
+    long pass ends at its next step instead of after the whole pass."""
+
+
+def check_deadline(deadline: float | None) -> None:
+    """Raise :class:`DeadlineExceeded` if :func:`past` says so."""
+    if past(deadline):
+        raise DeadlineExceeded
