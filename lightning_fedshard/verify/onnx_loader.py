@@ -33,12 +33,13 @@ from lightning_fedshard.verify.ops import (
     BoundOp,
     Conv2d,
     ElementwiseAffine,
+    LeftLinear,
     Linear,
     ReLU,
     Reshape,
 )
 
-__all__ = ["OnnxLoadError", "load_onnx"]
+__all__ = ["OnnxLoadError", "UnsupportedModelError", "load_onnx", "onnx_source"]
 
 
 class OnnxLoadError(ValueError):
@@ -51,6 +52,11 @@ class OnnxLoadError(ValueError):
         except OnnxLoadError as err:
             print(f"cannot verify {path}: {err}")
     """
+
+
+class UnsupportedModelError(OnnxLoadError):
+    """A well-formed ONNX model that uses something the verifier cannot represent (an operator, an attribute, a
+    signature): the instance is answered ``unknown`` with this reason, not failed."""
 
 
 class _Context:
@@ -116,10 +122,17 @@ def _gemm(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
 
 def _matmul(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
     left, right = node.input
-    if ctx.is_constant(left):
-        raise OnnxLoadError("MatMul with a constant left operand is not supported (only x @ W)")
-    if not ctx.is_constant(right):
+    if not ctx.is_constant(left) and not ctx.is_constant(right):
         raise OnnxLoadError("MatMul of two computed tensors is non-linear")
+    if ctx.is_constant(left):  # W @ x: a linear map over the second-to-last dimension of x
+        weight = ctx.weight(left, "MatMul left operand")
+        if weight.dim() != 2 or len(ctx.variable(right).shape) < 2:
+            raise OnnxLoadError(
+                f"MatMul W @ x needs a 2-D W and x of rank ≥ 2 besides the batch, got W {list(weight.shape)} and "
+                f"x [1, {ctx.variable(right).shape}]"
+            )
+        ctx.emit(node, LeftLinear(weight.contiguous()), right)
+        return
     weight = ctx.weight(right, "MatMul right operand")
     if weight.dim() != 2:
         raise OnnxLoadError(f"MatMul right operand must be 2-D [in, out], got {list(weight.shape)}")
@@ -295,14 +308,27 @@ def _fold(ctx: _Context, node: onnx.NodeProto) -> None:
             ctx.constants[name] = np.asarray(value)
 
 
-def _read(path: Path) -> onnx.ModelProto:
+def onnx_source(path: str | Path) -> str | bytes:
+    """What to hand an ONNX reader for ``path``: the model's bytes if the file is gzipped (recognised by its
+    content, as VNN-COMP ships ``.onnx.gz``), else the path (which also finds external data files)."""
+    path = Path(path)
     if not path.is_file():
         raise OnnxLoadError(f"no such ONNX file: {path}")
+    with path.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if not gzipped:
+        return str(path)
     try:
-        if path.suffix == ".gz":
-            return onnx.load_model_from_string(gzip.decompress(path.read_bytes()))
-        return onnx.load(str(path))
-    except Exception as err:  # protobuf, gzip and external-data errors share no base class
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError) as err:
+        raise OnnxLoadError(f"{path} is not an ONNX model: {err}") from err
+
+
+def _read(path: Path) -> onnx.ModelProto:
+    source = onnx_source(path)
+    try:
+        return onnx.load_model_from_string(source) if isinstance(source, bytes) else onnx.load(source)
+    except Exception as err:  # protobuf and external-data errors share no base class
         raise OnnxLoadError(f"{path} is not an ONNX model: {err}") from err
 
 
@@ -333,14 +359,14 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32) -> BoundGrap
     # Old exporters list the initializers among the graph inputs as well.
     inputs = [value for value in graph.input if value.name not in ctx.constants]
     if len(inputs) != 1 or len(graph.output) != 1:
-        raise OnnxLoadError(
+        raise UnsupportedModelError(
             f"expected one input and one output, got {len(inputs)} inputs and {len(graph.output)} outputs"
         )
     dims = inputs[0].type.tensor_type.shape.dim
     if not dims or (dims[0].HasField("dim_value") and dims[0].dim_value != 1):
-        raise OnnxLoadError(f"input {inputs[0].name!r} needs a leading batch dimension of 1")
+        raise UnsupportedModelError(f"input {inputs[0].name!r} needs a leading batch dimension of 1")
     if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims[1:]):
-        raise OnnxLoadError(f"input {inputs[0].name!r} has a non-static shape; only the batch may be symbolic")
+        raise UnsupportedModelError(f"input {inputs[0].name!r} has a non-static shape; only the batch may be symbolic")
     ctx.nodes.append(Node(inputs[0].name, None, (), tuple(d.dim_value for d in dims[1:])))
     ctx.variables[inputs[0].name] = ctx.nodes[0]
 
@@ -353,16 +379,42 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32) -> BoundGrap
         folded = all(ctx.is_constant(name) for name in node.input if name)
         if converter is None and not folded:
             op_name = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
-            raise OnnxLoadError(f"unsupported ONNX operator {op_name!r} at node {label!r}")
+            raise UnsupportedModelError(f"unsupported ONNX operator {op_name!r} at node {label!r}")
         try:
             if folded:
                 _fold(ctx, node)
             else:
                 converter(ctx, node, _attributes(node))
         except (ValueError, RuntimeError) as err:  # op constructors and forward passes reject bad configurations
-            raise OnnxLoadError(f"{node.op_type} node {label!r}: {err}") from err
+            raise UnsupportedModelError(f"{node.op_type} node {label!r}: {err}") from err
 
     output = graph.output[0].name
     if output not in ctx.variables:
         raise OnnxLoadError(f"the graph output {output!r} is a constant or is never computed")
-    return BoundGraph(ctx.nodes, output=ctx.variables[output].name)
+    return BoundGraph(_fuse_biases(ctx.nodes, ctx.variables[output].name), output=ctx.variables[output].name)
+
+
+def _fuse_biases(nodes: list[Node], output: str) -> list[Node]:
+    """``Linear`` followed by the addition of a constant vector (MatMul then Add, as MATLAB and other exporters
+    write a dense layer) becomes one ``Linear`` with that bias, where nothing else reads the product: one node
+    less to propagate through, and the branching heuristics see the layer's bias."""
+    consumers: dict[str, int] = {}
+    for node in nodes:
+        for name in node.inputs:
+            consumers[name] = consumers.get(name, 0) + 1
+    by_name = {node.name: node for node in nodes}
+    fused: dict[str, Node] = {}
+    for node in nodes:
+        op = node.op
+        if not (isinstance(op, ElementwiseAffine) and type(op) is ElementwiseAffine and op.scale is None):
+            continue
+        source = by_name[node.inputs[0]]
+        if not isinstance(source.op, Linear) or consumers.get(source.name) != 1 or source.name == output:
+            continue
+        if op.in_shape != op.out_shape or op.shift.numel() != source.shape[-1]:
+            continue  # a constant that varies along other dimensions than the layer's outputs
+        shift = op.shift.reshape(-1)
+        bias = shift if source.op.bias is None else source.op.bias + shift
+        fused[source.name] = None
+        fused[node.name] = Node(node.name, Linear(source.op.weight, bias), source.inputs, node.shape)
+    return [fused.get(node.name, node) for node in nodes if fused.get(node.name, node) is not None]

@@ -16,19 +16,20 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.onnx_loader import OnnxLoadError, load_onnx
+from lightning_fedshard.verify.onnx_loader import OnnxLoadError, UnsupportedModelError, load_onnx, onnx_source
 from lightning_fedshard.verify.ops import Add, AvgPool2d, BatchNorm, Conv2d, Linear, LinearOp, ReLU, Reshape
 
 ort = pytest.importorskip("onnxruntime")
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
+ACASXU = MNIST.parent / "acasxu_2022"
 
 
 def _reference(path: Path, x: np.ndarray) -> np.ndarray:
     """onnxruntime's output for each row of ``x`` (the exported graphs have a fixed batch of 1)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(onnx_source(path), options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     return np.concatenate([session.run(None, {name: row[None]})[0] for row in x])
 
@@ -232,6 +233,13 @@ def _weights(*shape: int, seed: int = 0) -> np.ndarray:
 
 
 HAND_BUILT = {
+    # W @ x over the second-to-last dimension (mnist_fc's input is [1, 784, 1]).
+    "left_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], [1, 3, 2], {"w": _weights(4, 3)}),
+    "matmul_then_bias": (
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+        [1, 3],
+        {"w": _weights(3, 4), "b": _weights(4, seed=1)},
+    ),
     # torch only exports symmetric pads; ONNX's (top, left, bottom, right) = (0, 0, 1, 1) with stride 2.
     "asymmetric_pad_conv": (
         [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[0, 0, 1, 1], strides=[2, 2])],
@@ -314,6 +322,38 @@ def test_initializers_listed_as_inputs_are_skipped(tmp_path: Path) -> None:
     assert graph.input.name == "x" and graph.input.shape == (3,)
 
 
+def test_a_matmul_and_its_bias_become_one_layer(tmp_path: Path) -> None:
+    nodes, shape, initializers = HAND_BUILT["matmul_then_bias"]
+    graph = load_onnx(_hand_built(tmp_path / "dense.onnx", nodes, shape, initializers))
+    (layer,) = graph.nodes[1:]
+    assert isinstance(layer.op, Linear) and layer.name == "y"
+    torch.testing.assert_close(layer.op.bias, torch.from_numpy(initializers["b"]))
+    # A product that something else reads too keeps its own node.
+    shared = [*nodes, helper.make_node("Add", ["m", "y"], ["z"])]
+    path = _hand_built(tmp_path / "shared.onnx", shared, shape, initializers)
+    model = onnx.load(path)
+    model.graph.output[0].name = "z"
+    onnx.save(model, path)
+    graph = _check_against_onnxruntime(path, 8)
+    assert [node.name for node in graph.nodes[1:]] == ["m", "y", "z"]
+
+
+def test_a_symbolic_batch_dimension_is_the_batch(tmp_path: Path) -> None:
+    nodes, _, initializers = HAND_BUILT["matmul_then_bias"]
+    path = _hand_built(tmp_path / "symbolic.onnx", nodes, ["N", 3], initializers)
+    graph = _check_against_onnxruntime(path, 8)
+    assert graph.input.shape == (3,)
+
+
+@pytest.mark.skipif(not ACASXU.is_dir(), reason="../shared/vnncomp/acasxu_2022 is absent")
+@pytest.mark.parametrize("net", ["1_1", "3_3", "5_9"])
+def test_acasxu_matlab_exports_match_onnxruntime(net: str) -> None:
+    # gzipped, opset 8, weights listed among the graph inputs, Sub normalisation, MatMul then Add per layer
+    path = ACASXU / "onnx" / f"ACASXU_run2a_{net}_batch_2000.onnx.gz"
+    graph = _check_against_onnxruntime(path, 32, low=-0.5)
+    assert [type(node.op).__name__ for node in graph.nodes[1:]].count("Linear") == 7  # each bias folded in
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -325,7 +365,8 @@ ERRORS = {
     ),
     "nonlinear_mul": ([helper.make_node("Mul", ["x", "x"], ["y"], name="square")], {}, "non-linear"),
     "nonlinear_div": ([helper.make_node("Div", ["one", "x"], ["y"])], {"one": np.float32([1.0])}, "non-linear"),
-    "constant_left_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], {"w": _weights(4, 1)}, "left operand"),
+    # W [4, 1] @ x [1, 4] would turn the batch dimension into a feature dimension
+    "batch_mixing_left_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], {"w": _weights(4, 1)}, "W @ x"),
     "transposed_gemm_input": ([helper.make_node("Gemm", ["x", "w"], ["y"], transA=1)], {"w": _weights(1, 2)}, "transA"),
     "integer_weight": ([helper.make_node("MatMul", ["x", "w"], ["y"])], {"w": np.ones((4, 2), np.int64)}, "int64"),
     "unknown_tensor": ([helper.make_node("Add", ["x", "ghost"], ["y"])], {}, "unknown tensor 'ghost'"),
@@ -346,6 +387,17 @@ def test_auto_pad_same_is_rejected(tmp_path: Path) -> None:
     path = _hand_built(tmp_path / "same.onnx", [node], [1, 1, 5, 5], {"w": _weights(1, 1, 3, 3)})
     with pytest.raises(OnnxLoadError, match="conv0.*auto_pad=SAME_UPPER"):
         load_onnx(path)
+
+
+def test_unsupported_models_are_told_apart_from_broken_files(tmp_path: Path) -> None:
+    nodes, initializers, _ = ERRORS["unsupported"]
+    with pytest.raises(UnsupportedModelError, match="Sigmoid"):
+        load_onnx(_hand_built(tmp_path / "sigmoid.onnx", nodes, [1, 4], initializers))
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\x00\x01")
+    with pytest.raises(OnnxLoadError) as error:
+        load_onnx(garbage)
+    assert not isinstance(error.value, UnsupportedModelError)
 
 
 def test_two_inputs_are_rejected(tmp_path: Path) -> None:

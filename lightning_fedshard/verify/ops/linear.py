@@ -1,4 +1,4 @@
-"""Fully connected layers (ONNX Gemm, and MatMul with a constant right-hand side)."""
+"""Fully connected layers (ONNX Gemm, and MatMul with a constant operand on either side)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from torch import Tensor
 
 from lightning_fedshard.verify.ops.base import LinearOp
 
-__all__ = ["Linear"]
+__all__ = ["LeftLinear", "Linear"]
 
 
 class Linear(LinearOp):
@@ -42,3 +42,33 @@ class Linear(LinearOp):
 
     def __repr__(self) -> str:
         return f"Linear({self.weight.shape[1]}→{self.weight.shape[0]})"
+
+
+class LeftLinear(LinearOp):
+    """``y = W @ x`` over the last two dimensions of ``x [B, …, in, k]`` (ONNX MatMul with a constant left
+    operand); ``weight [out, in]``.
+
+    Example::
+
+        op = LeftLinear(torch.randn(256, 784))   # x [B, 784, 1] -> y [B, 256, 1]
+        (A_in,), _ = op.backward(A, [None])      # A [S, B, 256, 1] -> A_in [S, B, 784, 1]
+    """
+
+    onnx_types = ("MatMul",)
+
+    def __init__(self, weight: Tensor) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"LeftLinear weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+        self.weight = weight
+
+    def linear(self, x: Tensor) -> Tensor:
+        return self.weight @ x
+
+    def abs_linear(self, x: Tensor) -> Tensor:
+        return self.weight.abs() @ x
+
+    def transpose(self, A: Tensor) -> Tensor:
+        return self.weight.T @ A
+
+    def __repr__(self) -> str:
+        return f"LeftLinear({self.weight.shape[1]}→{self.weight.shape[0]})"
