@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "verify":
         from lightning_fedshard.verify.cli import main as verify_main
 
-        sys.exit(verify_main(args[1:]))
+        sys.exit(verify_main(args[1:], startup_counts=argv is None))
     elif command == "bench":
         from lightning_fedshard.bench.__main__ import main as bench_main
 

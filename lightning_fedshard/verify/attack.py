@@ -1,4 +1,4 @@
-"""PGD falsification: search the input box for a point whose output lies in the unsafe set."""
+"""PGD falsification: search input boxes for a point whose output lies in the unsafe set."""
 
 from __future__ import annotations
 
@@ -26,15 +26,21 @@ def pgd_attack(
     """Projected sign-gradient descent on the spec value ``min_d max_r (M y − b)_r``; returns an input
     ``[*input shape]`` with value ``≤ 0`` (a counterexample), or ``None``.
 
-    Restart 0 is the box centre, then ``starts`` (e.g. the minimising corners of branch-and-bound domains),
-    then uniform random points. The step starts at a quarter of the box width and decays by 0.97 per step.
+    ``box [K, *input shape]`` holds one box or ``K`` boxes searched together, each point staying in its own box.
+    The points are the box centres, then ``starts`` (e.g. the minimising corners of branch-and-bound domains;
+    with ``K`` boxes, ``starts[j]`` lies in box ``j mod K``), then ``restarts`` uniform random points per box. The
+    step starts at a quarter of the box width and decays by 0.97 per step.
     """
-    lower, upper = box.lower, box.upper
-    random = torch.rand(restarts, *lower.shape[1:], generator=generator, dtype=lower.dtype)
-    points = [box.center, lower + (upper - lower) * random]
-    if starts is not None:
-        points.insert(1, starts.reshape(-1, *lower.shape[1:]).to(lower.dtype))
-    x = torch.cat(points).clamp(lower, upper)
+    boxes = box.lower.shape[0]
+    shape = box.lower.shape[1:]
+    random = torch.rand(restarts, boxes, *shape, generator=generator, dtype=box.lower.dtype)
+    starts = box.lower.new_zeros(0, *shape) if starts is None else starts.reshape(-1, *shape).to(box.lower.dtype)
+    x = torch.cat([box.center, starts, (box.lower + (box.upper - box.lower) * random).reshape(-1, *shape)])
+    owner = torch.cat(
+        [torch.arange(boxes), torch.arange(starts.shape[0]) % boxes, torch.arange(boxes).repeat(restarts)]
+    )
+    lower, upper = box.lower[owner], box.upper[owner]
+    x = torch.minimum(torch.maximum(x, lower), upper)
     step = (upper - lower) / 4
     for t in range(steps + 1):
         x.requires_grad_(True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lightning_fedshard.verify.config import Method, VerifyConfig
+from lightning_fedshard.verify.config import BabMode, Method, VerifyConfig
 from lightning_fedshard.verify.instances import (
     Instance,
     InstanceResult,
@@ -26,7 +27,7 @@ from lightning_fedshard.verify.instances import (
 )
 from lightning_fedshard.verify.shard.plan import Strategy, TensorParallelMode
 from lightning_fedshard.verify.spec import Counterexample, write_result
-from lightning_fedshard.verify.verifier import verify_files
+from lightning_fedshard.verify.verifier import REPORT_FIELDS, verify_files
 
 __all__ = ["main"]
 
@@ -57,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, help="with --instances: only the first N instances")
     parser.add_argument("--networks", nargs="+", help="with --instances: only the rows of these ONNX file names")
     parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
+    parser.add_argument(
+        "--bab",
+        choices=[m.value for m in BabMode],
+        default=BabMode.AUTO.value,
+        help="branch-and-bound splits ReLUs (relu), the input box (input), or chooses (auto: the input box of "
+        "networks with few inputs and many unstable ReLUs; default)",
+    )
     parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -125,6 +133,8 @@ def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
     line = f"{result.verdict.value}  ({result.decided_by or 'undecided'}, {sum(result.times.values()):.2f} s)"
     if result.counterexample_check:
         line += f"  counterexample check: {result.counterexample_check}"
+    if result.reason:
+        line += f"  [{result.reason}]"
     print(line)
     if args.result:
         write_result(args.result, result.verdict.value, result.counterexample)
@@ -147,7 +157,7 @@ def _expected(args: argparse.Namespace) -> tuple[Path, dict]:
 
 
 def _print_row(row: InstanceResult) -> None:
-    note = f"  [{row.error}]" if row.error else ("  WRONG" if row.wrong else "")
+    note = f"  [{row.error or row.reason}]" if row.error or row.reason else ("  WRONG" if row.wrong else "")
     print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
 
 
@@ -166,7 +176,6 @@ def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
 def _run_parallel(args: argparse.Namespace, config: VerifyConfig, instances: list[Instance]) -> list[dict] | None:
     """The Lightning predict loop over ``instances``: merged results on rank 0, ``None`` on the other ranks."""
     import logging
-    import os
 
     from lightning_fedshard.verify.lightning.module import run_predict
 
@@ -208,26 +217,15 @@ def _single_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
     if args.result:
         write_result(args.result, entry["verdict"], _entry_counterexample(entry))
     if args.report:
-        report = {key: entry[key] for key in _REPORT_FIELDS}
+        report = {key: entry[key] for key in REPORT_FIELDS}
         report["total_time_s"] = total
         if entry["counterexample_check"]:
             report["counterexample_check"] = entry["counterexample_check"]
+        if entry.get("reason"):
+            report["reason"] = entry["reason"]
         report.update(strategy=args.strategy, devices=args.devices, per_rank=entry["per_rank"])
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-_REPORT_FIELDS = (
-    "verdict",
-    "decided_by",
-    "root_margins",
-    "times_s",
-    "baseline_memory_bytes",
-    "peak_memory_bytes",
-    "rss_peak_bytes",
-    "domains_bounded",
-    "max_depth",
-)
 
 
 def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
@@ -249,6 +247,7 @@ def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
             counterexample_ok=("yes" if check == "ok" else f"no: {check}") if check else "",
             expected=expected.get((onnx, vnnlib), ""),
             error=entry.get("error") or "",
+            reason=entry.get("reason") or "",
         )
         row.wrong, row.score = score_answer(row.verdict, row.expected, row.counterexample_ok)
         rows.append(row)
@@ -272,8 +271,20 @@ def _tables(rows: list, expected_path: Path) -> int:
     return 1 if any(row.wrong for row in rows) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fedshard verify``; returns the exit status (2 for bad input)."""
+def _process_age() -> float:
+    """Seconds since this process started (interpreter start-up and imports included); 0 where unknown."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> int:
+    """Entry point of ``fedshard verify``; returns the exit status (2 for bad input). ``startup_counts`` (default:
+    when ``argv`` is the process's own command line) makes a single instance's timeout count from the start of the
+    process, interpreter and imports included, as VNN-COMP times it."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.summarise:
@@ -286,10 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     _check_parallel(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    timeout = args.timeout or 120.0
+    if args.instances is None and (argv is None if startup_counts is None else startup_counts):
+        # One instance: the timeout is a promise about the whole process, so start-up counts against it.
+        timeout = max(timeout - _process_age(), 1e-3)
     try:
         config = VerifyConfig(
             method=Method(args.method),
-            timeout=args.timeout or 120.0,
+            bab=BabMode(args.bab),
+            timeout=timeout,
             batch_size=args.batch_size,
             seed=args.seed,
             measure_memory=args.report is not None or args.measure_memory,  # the report holds memory peaks

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Method", "Verdict", "VerifyConfig"]
+__all__ = ["BabMode", "InputBranching", "Method", "Verdict", "VerifyConfig"]
 
 
 class Method(str, Enum):
@@ -15,6 +15,29 @@ class Method(str, Enum):
     CROWN = "crown"
     ALPHA_CROWN = "alpha-crown"
     BETA_CROWN = "beta-crown"  # α-CROWN at the root, then branch-and-bound with β-CROWN
+
+
+class BabMode(str, Enum):
+    """What branch-and-bound splits: ReLU phases (``relu``), the input box (``input``), or ``auto``: the input
+    box when it has at most :attr:`VerifyConfig.input_split_max_dims` dimensions of non-zero width and the root
+    bounds leave more unstable ReLUs than that, else ReLUs."""
+
+    AUTO = "auto"
+    RELU = "relu"
+    INPUT = "input"
+
+
+class InputBranching(str, Enum):
+    """How an input-splitting search picks the dimensions to bisect.
+
+    ``sb``: α,β-CROWN's *sb* score ``max_s max(|lA_si|, 10⁻³)·(x_U,i − x_L,i)/2 + margin_s``, the gain of the
+    linear bound from halving dimension ``i``, most promising row first. ``trial``: brute force on cheap bounds:
+    both halves of every dimension are bounded in forward mode and the dimension whose halves come out best
+    (the sum of their shortfalls below zero) is split; this also sees the relaxations tighten, which *sb* does not.
+    """
+
+    SB = "sb"
+    TRIAL = "trial"
 
 
 class Verdict(str, Enum):
@@ -38,9 +61,12 @@ class VerifyConfig:
     method: Method = Method.BETA_CROWN
     #: Wall-clock budget in seconds for the whole instance (loading excluded); the answer is then ``timeout``.
     timeout: float = 120.0
-    #: PGD before bounding: restarts (restart 0 is the box centre) and steps per restart.
-    attack_restarts: int = 50
+    #: PGD before bounding: restarts (restart 0 is the box centre; ``None``: 10,000 for boxes with at most
+    #: ``input_split_max_dims`` free dimensions, where random starts cover the box, else 50) and steps per
+    #: restart, stopped after ``attack_budget`` of the timeout (more attacks run inside branch-and-bound).
+    attack_restarts: int | None = None
     attack_steps: int = 100
+    attack_budget: float = 0.1
     #: α-CROWN at the root: iterations, Adam learning rate, per-iteration decay.
     alpha_iterations: int = 40
     alpha_lr: float = 0.1
@@ -52,6 +78,16 @@ class VerifyConfig:
     beta_lr_beta: float = 0.05
     #: Branching: 1 = BaBSR alone; k > 1 = FSB over the top-k BaBSR candidates.
     branching_candidates: int = 3
+    #: What branch-and-bound splits (see :class:`BabMode`).
+    bab: BabMode = BabMode.AUTO
+    #: ``auto`` splits the input of networks with at most this many (non-degenerate) input dimensions.
+    input_split_max_dims: int = 20
+    #: Input splitting: boxes bounded per round (small batches keep the union of unstable neurons, whose rows
+    #: every box pays for, small), and beyond how many open boxes to give up (``unknown``).
+    input_batch_size: int = 128
+    max_input_domains: int = 5_000_000
+    #: Input splitting: one search per branching rule, run side by side (see :class:`InputBranching`).
+    input_branching: tuple[InputBranching, ...] = (InputBranching.SB, InputBranching.TRIAL)
     #: Every this many batches, PGD from the minimising corners of the worst domains (0 = never).
     attack_every: int = 10
     #: Stop branching (answer ``unknown``) beyond this many open domains, to bound memory.
@@ -65,12 +101,23 @@ class VerifyConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
-        for name in ("timeout", "alpha_lr", "beta_lr_alpha", "beta_lr_beta"):
+        object.__setattr__(self, "bab", BabMode(self.bab))
+        object.__setattr__(self, "input_branching", tuple(InputBranching(b) for b in self.input_branching))
+        if not self.input_branching:
+            raise ValueError("VerifyConfig.input_branching needs at least one rule")
+        for name in ("timeout", "alpha_lr", "beta_lr_alpha", "beta_lr_beta", "attack_budget"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"VerifyConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("attack_restarts", "attack_steps", "alpha_iterations", "beta_iterations", "attack_every"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"VerifyConfig.{name} must be ≥ 0, got {getattr(self, name)}")
-        for name in ("batch_size", "branching_candidates", "max_domains"):
+        for name in (
+            "batch_size",
+            "branching_candidates",
+            "max_domains",
+            "input_split_max_dims",
+            "input_batch_size",
+            "max_input_domains",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"VerifyConfig.{name} must be ≥ 1, got {getattr(self, name)}")

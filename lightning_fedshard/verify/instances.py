@@ -53,6 +53,8 @@ class InstanceResult:
     wrong: bool = False
     score: int = 0
     error: str = ""
+    #: Why an ``unknown`` was not even tried (an operator the verifier cannot represent), as the report says.
+    reason: str = ""
 
 
 def read_instances(path: str | Path) -> list[Instance]:
@@ -126,7 +128,7 @@ def run_instance(
     result = None
     try:
         result = verify_files(instance.onnx, instance.vnnlib, replace(config, timeout=instance.timeout))
-        row.verdict, row.decided_by = result.verdict.value, result.decided_by or ""
+        row.verdict, row.decided_by, row.reason = result.verdict.value, result.decided_by or "", result.reason
         if result.counterexample_check:
             row.counterexample_ok = (
                 "yes" if result.counterexample_check == "ok" else f"no: {result.counterexample_check}"

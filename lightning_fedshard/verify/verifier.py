@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from collections.abc import Callable
@@ -14,20 +15,36 @@ import torch
 import torch.distributed as dist
 
 from lightning_fedshard.verify.attack import pgd_attack
+from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
-from lightning_fedshard.verify.config import Method, Verdict, VerifyConfig
+from lightning_fedshard.verify.config import BabMode, Method, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
-from lightning_fedshard.verify.onnx_loader import load_onnx
-from lightning_fedshard.verify.ops import Interval
-from lightning_fedshard.verify.shard.lockstep import lockstep, past
+from lightning_fedshard.verify.onnx_loader import UnsupportedModelError, load_onnx, onnx_source
+from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, lockstep, past
 from lightning_fedshard.verify.shard.plan import ShardPlan
 from lightning_fedshard.verify.spec import Case, Counterexample, Property, check_counterexample, read_vnnlib
 
-__all__ = ["InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
+__all__ = ["REPORT_FIELDS", "InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
+
+#: The keys of :meth:`VerificationResult.to_report` that every run has (the optional ones are
+#: ``counterexample_check`` and ``reason``); a predict-loop output carries them too.
+REPORT_FIELDS = (
+    "verdict",
+    "decided_by",
+    "root_margins",
+    "times_s",
+    "baseline_memory_bytes",
+    "peak_memory_bytes",
+    "rss_peak_bytes",
+    "domains_bounded",
+    "max_depth",
+    "bab_modes",
+)
 
 
 class InstanceLoadError(ValueError):
@@ -62,8 +79,13 @@ class VerificationResult:
     rss_peak_bytes: int = 0
     domains_bounded: int = 0
     max_depth: int = 0
+    #: Which branch-and-bound ran (``"relu"``, ``"input"``; one entry per kind, in the order the cases used them).
+    bab_modes: list[str] = field(default_factory=list)
     #: For a ``sat`` from :func:`verify_files`: ``"ok"`` once the counterexample replayed on the ONNX model.
     counterexample_check: str = ""
+    #: Why an instance was answered ``unknown`` without being tried (a model the verifier cannot represent, an
+    #: internal error), else empty.
+    reason: str = ""
 
     def to_report(self) -> dict:
         """The JSON-able report ``fedshard verify --report`` writes."""
@@ -78,7 +100,9 @@ class VerificationResult:
             "rss_peak_bytes": self.rss_peak_bytes,
             "domains_bounded": self.domains_bounded,
             "max_depth": self.max_depth,
+            "bab_modes": self.bab_modes,
             **({"counterexample_check": self.counterexample_check} if self.counterexample_check else {}),
+            **({"reason": self.reason} if self.reason else {}),
         }
 
 
@@ -115,13 +139,49 @@ def _ibp_margins(graph: BoundGraph, spec: OutputSpec, box: Interval) -> torch.Te
     return (lower @ M.clamp(min=0).T + upper @ M.clamp(max=0).T - spec.rhs)[0]
 
 
+@dataclass
+class _CaseAnswer:
+    """The outcome for one case: verdict, counterexample input, deciding method, root margins, which
+    branch-and-bound ran and its statistics."""
+
+    verdict: Verdict
+    counterexample: torch.Tensor | None = None
+    decided_by: str | None = None
+    margins: list[float] = field(default_factory=list)
+    bab_mode: BabMode | None = None
+    domains_bounded: int = 0
+    max_depth: int = 0
+
+
+def _unstable_count(graph: BoundGraph, bounds: dict[str, Interval]) -> int:
+    return sum(int(ReLU.unstable(bounds[pre]).sum()) for pre in graph.pre_activation.values() if pre in bounds)
+
+
+def _free_dims(box: Interval) -> int:
+    return int((box.upper > box.lower).sum())
+
+
+def _attack_restarts(config: VerifyConfig, box: Interval) -> int:
+    if config.attack_restarts is not None:
+        return config.attack_restarts
+    return 10_000 if _free_dims(box) <= config.input_split_max_dims else 50
+
+
+def _bab_mode(config: VerifyConfig, box: Interval, unstable: int) -> BabMode:
+    """``config.bab``, with ``auto`` resolved: the input box when it has few free dimensions and the root leaves
+    more unstable ReLUs than that (so splitting ReLUs would take more splits than splitting the box)."""
+    if config.bab is not BabMode.AUTO:
+        return config.bab
+    free = _free_dims(box)
+    return BabMode.INPUT if free <= config.input_split_max_dims and unstable > free else BabMode.RELU
+
+
 def _verify_case(
     graph: BoundGraph, case: Case, config: VerifyConfig, plan: ShardPlan, run: _Run, generator: torch.Generator
-) -> tuple[Verdict, torch.Tensor | None, str | None, list[float], dict]:
-    """Verdict, counterexample input, deciding method, root margins and BaB statistics for one case."""
+) -> _CaseAnswer:
     box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
     if any(len(d.rhs) == 0 for d in case.disjuncts):  # an unconstrained disjunct: every output is unsafe
-        return Verdict.SAT, box.center[0], "pgd", [], {}
+        return _CaseAnswer(Verdict.SAT, box.center[0], "pgd")
     spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
     with torch.no_grad():
         x = run.timed(
@@ -130,87 +190,98 @@ def _verify_case(
             graph,
             spec,
             box,
-            config.attack_restarts,
+            _attack_restarts(config, box),
             config.attack_steps,
             generator=generator,
-            deadline=run.deadline,
+            deadline=min(run.deadline, time.monotonic() + config.attack_budget * config.timeout),
         )
     if x is not None:
-        return Verdict.SAT, x, "pgd", [], {}
+        return _CaseAnswer(Verdict.SAT, x, "pgd")
 
     def proven(margins: torch.Tensor) -> bool:
         return bool(spec.value(margins.view(1, -1)) > 0)
 
+    def undecided(margins: torch.Tensor, bab_mode: BabMode | None = None) -> _CaseAnswer:
+        return _CaseAnswer(Verdict.TIMEOUT if run.expired else Verdict.UNKNOWN, None, None, margins.tolist(), bab_mode)
+
     with torch.no_grad():
         margins = run.timed("ibp", _ibp_margins, graph, spec, box)
     if proven(margins):
-        return Verdict.UNSAT, None, "ibp", margins.tolist(), {}
+        return _CaseAnswer(Verdict.UNSAT, None, "ibp", margins.tolist())
     if config.method is Method.IBP:
-        return Verdict.UNKNOWN, None, None, margins.tolist(), {}
+        return undecided(margins)
 
     partition = plan.partition
 
-    def crown() -> torch.Tensor:
-        bounds = intermediate_bounds(graph, box, intersect_ibp=config.intersect_ibp, partition=partition)
-        return spec_lower(graph, spec.rows(1), box, bounds, partition=partition)[:, 0] - spec.rhs
+    def crown() -> tuple[torch.Tensor, dict[str, Interval]]:
+        bounds = intermediate_bounds(
+            graph, box, intersect_ibp=config.intersect_ibp, partition=partition, deadline=run.deadline
+        )
+        return spec_lower(graph, spec.rows(1), box, bounds, partition=partition)[:, 0] - spec.rhs, bounds
 
     with torch.no_grad():
-        margins = run.timed("crown", crown)
+        margins, root_bounds = run.timed("crown", crown)
     if proven(margins):
-        return Verdict.UNSAT, None, "crown", margins.tolist(), {}
+        return _CaseAnswer(Verdict.UNSAT, None, "crown", margins.tolist())
     if config.method is Method.CROWN or run.expired:
-        return (Verdict.TIMEOUT if run.expired else Verdict.UNKNOWN), None, None, margins.tolist(), {}
+        return undecided(margins)
 
-    root = run.timed(
-        "alpha-crown",
-        alpha_crown,
-        graph,
-        box,
-        spec.rows(1),
-        config.alpha_iterations,
-        config.alpha_lr,
-        config.alpha_lr_decay,
-        stop_above=spec.rhs.view(-1, 1),
-        deadline=run.deadline,
-        intersect_ibp=config.intersect_ibp,
-        partition=partition,
-    )
-    margins = root.lower[:, 0] - spec.rhs
-    if proven(margins):
-        return Verdict.UNSAT, None, "alpha-crown", margins.tolist(), {}
+    bab_mode = _bab_mode(config, box, _unstable_count(graph, root_bounds))
+    root = None
+    if bab_mode is BabMode.RELU or config.method is Method.ALPHA_CROWN:
+        # Input splitting bounds small boxes with plain CROWN; only ReLU splitting starts from α-CROWN's slopes.
+        root = run.timed(
+            "alpha-crown",
+            alpha_crown,
+            graph,
+            box,
+            spec.rows(1),
+            config.alpha_iterations,
+            config.alpha_lr,
+            config.alpha_lr_decay,
+            stop_above=spec.rhs.view(-1, 1),
+            deadline=run.deadline,
+            intersect_ibp=config.intersect_ibp,
+            partition=partition,
+        )
+        margins = root.lower[:, 0] - spec.rhs
+        if proven(margins):
+            return _CaseAnswer(Verdict.UNSAT, None, "alpha-crown", margins.tolist())
     if config.method is Method.ALPHA_CROWN or run.expired:
-        return (Verdict.TIMEOUT if run.expired else Verdict.UNKNOWN), None, None, margins.tolist(), {}
+        return undecided(margins)
 
     # Each disjunct not ruled out at the root gets its own search (α,β-CROWN does the same per target label): the
     # branching then serves one objective, and the rows already proven cost nothing more.
     open_disjuncts = [d for d in range(spec.num_disjuncts) if float(margins[spec.rows_of(d)].max()) <= 0]
     open_disjuncts.sort(key=lambda d: float(margins[spec.rows_of(d)].max()))
-    stats = {"domains_bounded": 0, "max_depth": 0}
-    verdict = Verdict.UNSAT
+    answer = _CaseAnswer(Verdict.UNSAT, None, "bab", margins.tolist(), bab_mode)
     for d in open_disjuncts:
-        rows = spec.rows_of(d)
-        outcome = run.timed(
-            "bab",
-            branch_and_bound,
-            graph,
-            spec.only(d),
-            box,
-            root.rows(rows),
-            config,
-            run.deadline,
-            generator,
-            plan.domain_group,
-        )
-        stats["domains_bounded"] += outcome.domains_bounded
-        stats["max_depth"] = max(stats["max_depth"], outcome.max_depth)
+        if bab_mode is BabMode.INPUT:
+            outcome = run.timed("bab", input_split, graph, spec.only(d), box, config, run.deadline, generator)
+        else:
+            outcome = run.timed(
+                "bab",
+                branch_and_bound,
+                graph,
+                spec.only(d),
+                box,
+                root.rows(spec.rows_of(d)),
+                config,
+                run.deadline,
+                generator,
+                plan.domain_group,
+            )
+        answer.domains_bounded += outcome.domains_bounded
+        answer.max_depth = max(answer.max_depth, outcome.max_depth)
         if outcome.verdict in (Verdict.SAT, Verdict.TIMEOUT):
-            verdict = outcome.verdict
+            answer.verdict = outcome.verdict
+            answer.counterexample = outcome.counterexample
             break
         if outcome.verdict is Verdict.UNKNOWN:
-            verdict = Verdict.UNKNOWN  # keep searching the other disjuncts for a counterexample
-    outcome_cex = outcome.counterexample if verdict is Verdict.SAT else None
-    decided = "bab" if verdict in (Verdict.SAT, Verdict.UNSAT) else None
-    return verdict, outcome_cex, decided, margins.tolist(), stats
+            answer.verdict = Verdict.UNKNOWN  # keep searching the other disjuncts for a counterexample
+    if answer.verdict not in (Verdict.SAT, Verdict.UNSAT):
+        answer.decided_by = None
+    return answer
 
 
 def verify(
@@ -237,9 +308,12 @@ def verify(
     with lockstep(plan.lockstep_group), meter if meter is not None else nullcontext():
         if meter is not None:
             meter.mark_baseline()
-        for case in prop.cases:
-            if _decide_case(graph, case, config, plan, run, generator, result):
-                break
+        try:
+            for case in prop.cases:
+                if _decide_case(graph, case, config, plan, run, generator, result):
+                    break
+        except DeadlineExceeded:  # inside a bound pass, on every rank of a sharded run at once
+            result.verdict = Verdict.TIMEOUT
     if result.verdict is not Verdict.UNSAT and result.verdict is not Verdict.SAT:
         result.decided_by = None
     result.times = run.times
@@ -259,19 +333,21 @@ def _decide_case(
     result: VerificationResult,
 ) -> bool:
     """Folds the answer for one case into ``result``; true once the property is falsified."""
-    verdict, x, decided_by, margins, stats = _verify_case(graph, case, config, plan, run, generator)
-    result.root_margins.append(margins)
-    result.domains_bounded += stats.get("domains_bounded", 0)
-    result.max_depth = max(result.max_depth, stats.get("max_depth", 0))
-    if verdict is Verdict.SAT:
-        result.verdict, result.decided_by = Verdict.SAT, decided_by
-        result.counterexample = _counterexample(graph, x)
+    answer = _verify_case(graph, case, config, plan, run, generator)
+    result.root_margins.append(answer.margins)
+    result.domains_bounded += answer.domains_bounded
+    result.max_depth = max(result.max_depth, answer.max_depth)
+    if answer.bab_mode is not None and answer.bab_mode.value not in result.bab_modes:
+        result.bab_modes.append(answer.bab_mode.value)
+    if answer.verdict is Verdict.SAT:
+        result.verdict, result.decided_by = Verdict.SAT, answer.decided_by
+        result.counterexample = _counterexample(graph, answer.counterexample)
         return True
-    if verdict is not Verdict.UNSAT:
+    if answer.verdict is not Verdict.UNSAT:
         # Keep looking for a counterexample in the other cases; the answer can no longer be unsat.
-        result.verdict = verdict if result.verdict is Verdict.UNSAT else result.verdict
+        result.verdict = answer.verdict if result.verdict is Verdict.UNSAT else result.verdict
     elif result.verdict is Verdict.UNSAT:
-        result.decided_by = decided_by
+        result.decided_by = answer.decided_by
     return False
 
 
@@ -286,7 +362,9 @@ def verify_files(
 
     A ``sat`` counterexample is replayed on the ONNX model (:func:`model_forward`) and checked against the
     property as the VNN-COMP scorer does; one that fails (which would be a bug) turns the answer into
-    ``unknown``, the reason kept in ``counterexample_check``.
+    ``unknown``, the reason kept in ``counterexample_check``. A model the verifier cannot represent
+    (:class:`~lightning_fedshard.verify.onnx_loader.UnsupportedModelError`), and in a one-process run any error
+    while bounding, answer ``unknown`` with the ``reason``; files that cannot be read at all raise.
 
     Sharded (``plan``), every rank of the group calls it with the same files; the model is sharded right after
     loading, and a file that fails to load on any rank raises :class:`InstanceLoadError` on all of them before
@@ -295,12 +373,23 @@ def verify_files(
     """
     config, plan = config or VerifyConfig(), plan or ShardPlan()
     start = time.monotonic()
-    graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan)
+    try:
+        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan)
+    except UnsupportedModelError as error:
+        return VerificationResult(Verdict.UNKNOWN, times={"load": time.monotonic() - start}, reason=str(error))
     sharded = plan.shard(graph)
     if sharded is not graph:
         graph = None  # this rank keeps its shards only
     load_time = time.monotonic() - start
-    result = verify(sharded, prop, replace(config, timeout=max(config.timeout - load_time, 1e-3)), plan)
+    budget = replace(config, timeout=max(config.timeout - load_time, 1e-3))
+    try:
+        result = verify(sharded, prop, budget, plan)
+    except Exception as error:
+        if plan.sharded:
+            raise  # the other ranks wait in a collective: end the run (see above)
+        # One process: a bug must not cost the answer file; the instance is unknown, and the reason says why.
+        logging.getLogger(__name__).exception("verifying %s against %s failed", onnx_path, vnnlib_path)
+        result = VerificationResult(Verdict.UNKNOWN, reason=f"internal error: {type(error).__name__}: {error}")
     result.times = {"load": load_time, **result.times}
     if result.verdict is Verdict.SAT:
         check = check_counterexample(result.counterexample, prop, model_forward(onnx_path, graph))
@@ -318,12 +407,15 @@ def _load_everywhere(onnx_path: str | Path, vnnlib_path: str | Path, plan: Shard
     except Exception as exc:  # noqa: BLE001 (re-raised below, on every rank of a sharded run)
         error = exc
     if plan.sharded:
-        messages: list[str | None] = [None] * dist.get_world_size(plan.group)
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", plan.group)
+        messages: list[tuple[str, str] | None] = [None] * dist.get_world_size(plan.group)
+        mine = None if error is None else (type(error).__name__, str(error))
+        dist.all_gather_object(messages, mine, plan.group)
         failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+        if failed and all(kind == UnsupportedModelError.__name__ for _, (kind, _) in failed):
+            raise UnsupportedModelError(failed[0][1][1])  # the same model everywhere: unknown on every rank
         if failed:
-            rank, message = failed[0]
-            raise InstanceLoadError(f"rank {rank} of the sharded group could not load the instance: {message}")
+            rank, (kind, message) = failed[0]
+            raise InstanceLoadError(f"rank {rank} of the sharded group could not load the instance: {kind}: {message}")
     if error is not None:
         raise error
     return graph, prop
@@ -342,7 +434,7 @@ def model_forward(onnx_path: str | Path, graph: BoundGraph | None = None) -> Cal
                 return graph(torch.as_tensor(x, dtype=graph.dtype).view(1, -1)).double().numpy().ravel()
 
         return run_graph
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(onnx_source(onnx_path), providers=["CPUExecutionProvider"])
     (inp,) = session.get_inputs()
     shape = [1 if not isinstance(d, int) else d for d in inp.shape]
 

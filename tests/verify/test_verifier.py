@@ -228,6 +228,48 @@ def test_bad_files_give_clear_errors(tmp_path, capsys):
     assert "not an ONNX model" in capsys.readouterr().err
 
 
+def test_an_unsupported_model_answers_unknown_with_the_reason(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Sigmoid", ["x"], ["y"], name="squash")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+    )
+    model = tmp_path / "sigmoid.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(model))
+    prop = tmp_path / "p.vnnlib"
+    prop.write_text(
+        "(declare-const X_0 Real)\n(declare-const X_1 Real)\n(declare-const Y_0 Real)\n(declare-const Y_1 Real)\n"
+        "(assert (>= X_0 0))\n(assert (<= X_0 1))\n(assert (>= X_1 0))\n(assert (<= X_1 1))\n(assert (>= Y_0 Y_1))\n"
+    )
+    result = verify_files(model, prop)
+    assert result.verdict is Verdict.UNKNOWN and "'Sigmoid' at node 'squash'" in result.reason
+    out, report = tmp_path / "out.txt", tmp_path / "report.json"
+    assert verify_main([str(model), str(prop), "--result", str(out), "--report", str(report)]) == 0
+    assert out.read_text() == "unknown\n"
+    assert "Sigmoid" in json.loads(report.read_text())["reason"]
+    assert "Sigmoid" in capsys.readouterr().out
+
+
+@needs_mnist
+def test_an_internal_error_is_unknown_with_the_reason_not_a_crash(monkeypatch):
+    from lightning_fedshard.verify import verifier
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(verifier, "intermediate_bounds", broken)
+    onnx, vnnlib = MNIST / "onnx" / "mnist-net_256x2.onnx", MNIST / "vnnlib" / "prop_0_0.03.vnnlib"
+    config = VerifyConfig(attack_restarts=1, attack_steps=1)
+    with pytest.raises(RuntimeError, match="a bug"):  # the library call raises ...
+        verify(verifier.load_onnx(onnx), read_vnnlib(onnx.parent.parent / "vnnlib" / vnnlib.name), config)
+    result = verify_files(onnx, vnnlib, config)  # ... the file-level call, whose answer goes to a result file
+    assert result.verdict is Verdict.UNKNOWN and result.reason == "internal error: RuntimeError: a bug"
+
+
 def test_a_bad_instance_is_reported_and_the_run_goes_on(tmp_path):
     instances = tmp_path / "instances.csv"
     instances.write_text("missing.onnx,missing.vnnlib,5\n")

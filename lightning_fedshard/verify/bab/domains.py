@@ -49,21 +49,41 @@ class DomainBatch:
     branch_neuron: Tensor
 
     @classmethod
+    def unsplit(
+        cls,
+        graph: BoundGraph,
+        spec: OutputSpec,
+        bounds: dict[str, Interval],
+        alphas: dict[str, Tensor],
+        lower: Tensor,
+    ) -> DomainBatch:
+        """``N`` domains with nothing split: pre-activation ``bounds [N, *shape]``, output slopes
+        ``alphas [S, N, *shape]`` and the spec rows' lower bounds ``lower [S, N]``; β zero."""
+        pres = list(graph.pre_activation.values())
+        low = {pre: bounds[pre].lower for pre in pres}
+        n = lower.shape[1]
+        return cls(
+            lower=low,
+            upper={pre: bounds[pre].upper for pre in pres},
+            splits={pre: torch.zeros_like(low[pre], dtype=torch.int8) for pre in pres},
+            betas={pre: torch.zeros(spec.num_rows, *low[pre].shape, dtype=low[pre].dtype) for pre in pres},
+            alphas={name: alpha.clone() for name, alpha in alphas.items()},
+            margins=lower.T - spec.rhs,
+            depth=torch.zeros(n, dtype=torch.long),
+            branch_layer=torch.zeros(n, dtype=torch.long),
+            branch_neuron=torch.zeros(n, dtype=torch.long),
+        )
+
+    @classmethod
     def at_root(cls, graph: BoundGraph, spec: OutputSpec, root: AlphaResult) -> DomainBatch:
         """The one domain with nothing split: α-CROWN's bounds and output slopes at the root, β zero."""
-        pres = list(graph.pre_activation.values())
-        lower = {pre: root.bounds[pre].lower for pre in pres}
-        return cls(
-            lower=lower,
-            upper={pre: root.bounds[pre].upper for pre in pres},
-            splits={pre: torch.zeros_like(lower[pre], dtype=torch.int8) for pre in pres},
-            betas={pre: torch.zeros(spec.num_rows, *lower[pre].shape, dtype=lower[pre].dtype) for pre in pres},
-            alphas={name: alpha.clone() for name, alpha in root.alphas.items()},
-            margins=root.lower.T - spec.rhs,
-            depth=torch.zeros(1, dtype=torch.long),
-            branch_layer=torch.zeros(1, dtype=torch.long),
-            branch_neuron=torch.zeros(1, dtype=torch.long),
-        )
+        return cls.unsplit(graph, spec, root.bounds, root.alphas, root.lower)
+
+    @staticmethod
+    def cat(batches: list[DomainBatch]) -> DomainBatch:
+        """The domains of ``batches`` one after another (all of the same layout)."""
+        columns = zip(*(batch._leaves() for batch in batches), strict=True)
+        return batches[0]._rebuild([torch.cat([t for t, _ in column], column[0][1]) for column in columns])
 
     def __len__(self) -> int:
         return self.margins.shape[0]

@@ -76,7 +76,9 @@ def alpha_crown(
         return n if partition is None else len(range(n)[partition.span(n)])
 
     with torch.no_grad():
-        reference = intermediate_bounds(graph, box, intersect_ibp=intersect_ibp, used_rows=refined, partition=partition)
+        reference = intermediate_bounds(
+            graph, box, intersect_ibp=intersect_ibp, used_rows=refined, partition=partition, deadline=deadline
+        )
         crown_lower = spec_lower(graph, C, box, reference, partition=partition)
     refined = {pre: index for pre, index in refined.items() if index.numel()}
     alphas = {
@@ -102,7 +104,9 @@ def alpha_crown(
         with torch.enable_grad():
             # No intersection with interval or earlier bounds here: where those are tighter they would take
             # the gradient away from the slopes that could make CROWN tighter still.
-            bounds = intermediate_bounds(graph, box, alphas, None, refined, intersect_ibp=False, partition=partition)
+            bounds = intermediate_bounds(
+                graph, box, alphas, None, refined, intersect_ibp=False, partition=partition, deadline=deadline
+            )
             for pre, best in best_bounds.items():
                 now = bounds[pre]
                 best_bounds[pre] = Interval(

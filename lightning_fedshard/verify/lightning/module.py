@@ -18,7 +18,7 @@ from lightning_fedshard.verify.config import VerifyConfig
 from lightning_fedshard.verify.instances import Instance
 from lightning_fedshard.verify.lightning.data import VnncompInstances, as_instance
 from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode
-from lightning_fedshard.verify.verifier import InstanceLoadError, verify_files
+from lightning_fedshard.verify.verifier import REPORT_FIELDS, InstanceLoadError, verify_files
 
 __all__ = ["VerificationModule", "merge_rank_outputs", "predict_layout", "run_predict"]
 
@@ -49,7 +49,8 @@ class VerificationModule(LightningModule):
     ``predict_step`` returns a dict: ``index``, ``onnx``, ``vnnlib``, ``timeout``, ``verdict`` (``"error"`` when the
     instance could not be loaded, ``error`` then being ``"Type: message"``, else ``None``), ``decided_by``,
     ``root_margins``, ``time_s`` (wall, load included), ``times_s``, ``baseline_memory_bytes``,
-    ``peak_memory_bytes``, ``rss_peak_bytes``, ``domains_bounded``, ``max_depth``, ``counterexample`` (the input
+    ``peak_memory_bytes``, ``rss_peak_bytes``, ``domains_bounded``, ``max_depth``, ``bab_modes``, ``reason``,
+    ``counterexample`` (the input
     as a list, or ``None``), ``counterexample_y``, ``counterexample_check``, and ``rank``/``dp_rank``/``tp_rank``.
     An instance that fails to load does not stop the loop: its error is reported (on every rank of the group,
     since a load error on one rank raises on all of them) and the next instance is verified. An error in the
@@ -143,6 +144,8 @@ class VerificationModule(LightningModule):
             "rss_peak_bytes": 0,
             "domains_bounded": 0,
             "max_depth": 0,
+            "bab_modes": [],
+            "reason": "",
             "counterexample": None,
             "counterexample_y": None,
             "counterexample_check": "",
@@ -164,11 +167,8 @@ class VerificationModule(LightningModule):
             out["error"] = f"{type(error).__name__}: {error}"
         else:
             report = result.to_report()
-            out.update({k: report[k] for k in ("verdict", "decided_by", "root_margins", "times_s")})
-            for key in ("baseline_memory_bytes", "peak_memory_bytes", "rss_peak_bytes", "domains_bounded"):
-                out[key] = report[key]
-            out["max_depth"] = report["max_depth"]
-            out["counterexample_check"] = result.counterexample_check
+            out.update({key: report[key] for key in REPORT_FIELDS})
+            out["counterexample_check"], out["reason"] = result.counterexample_check, result.reason
             if result.counterexample is not None:
                 out["counterexample"] = result.counterexample.x.tolist()
                 out["counterexample_y"] = result.counterexample.y.tolist()

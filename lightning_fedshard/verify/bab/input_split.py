@@ -1,0 +1,366 @@
+"""Branch and bound over the input box, for networks with few inputs (ACAS Xu has 5).
+
+Where the input has few dimensions, splitting the box beats splitting ReLUs: every sub-box makes all bounds
+tighter at once. Each round takes a batch of open boxes (last in, first out, so the open list stays as deep as the
+search, not as wide), bounds them together with CROWN (its intermediate passes start from forward-mode bounds,
+:mod:`~lightning_fedshard.verify.bounds.forward`, which leave fewer neurons to refine), and then per box:
+
+* drops it if some spec row is proven (a box of one disjunct is safe once any of its rows is);
+* runs the network on the minimising corner of every row's linear bound and on the centre, so counterexamples
+  turn up where the bounds say they might be; every few rounds PGD starts in the worst boxes too;
+* shrinks it to the part where the linear bounds allow a counterexample ("clip": every row's lower plane must be
+  ``≤ rhs`` there, which confines each coordinate in closed form), dropping it if nothing is left;
+* bisects it along the dimensions its branching rule ranks first, several at once while the batch has room
+  (2^k children).
+
+Which dimension to split decides the size of the search by orders of magnitude, and no rule is best everywhere
+(measured on ACAS Xu, docs/benchmarks.md), so several searches with different rules (:class:`InputBranching`) run
+side by side, one round each in turn, and the first to finish decides: the cost is at most their number times the
+best one's.
+
+A box whose every dimension is narrower than the float tolerance and still not decided is *stuck*: the answer
+can then no longer be ``unsat``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.attack import pgd_attack
+from lightning_fedshard.verify.bab.domains import DomainBatch
+from lightning_fedshard.verify.bab.loop import BabOutcome
+from lightning_fedshard.verify.bounds.alpha import initial_alphas
+from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds
+from lightning_fedshard.verify.bounds.forward import forward_bounds
+from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.shard.lockstep import past
+
+__all__ = ["input_split"]
+
+#: sb: the coefficient floor (a dimension the bound ignores still gets split for its width).
+_SB_COEFFICIENT_FLOOR = 1e-3
+#: A dimension narrower than this fraction of its root width is not split further.
+_MIN_RELATIVE_WIDTH = 1e-7
+#: Clipped bounds move outwards by this fraction of the box width (float rounding must not cut a counterexample).
+_CLIP_SLACK = 1e-5
+#: PGD inside the search: the worst boxes attacked, and the steps each.
+_ATTACK_BOXES, _ATTACK_STEPS = 16, 20
+#: Boxes with at most this many unstable ReLUs are tried by fixing every combination of their phases (2^u pieces),
+#: with this long a β-CROWN optimisation: where the property is tight along a ReLU's boundary, no axis-aligned box
+#: straddling it is ever proven, but the two pieces on either side are.
+_PHASE_SPLIT_MAX_UNSTABLE = 4
+_PHASE_BATCH = 256
+_PHASE_ROUNDS, _PHASE_ITERATIONS, _PHASE_LR = 5, 10, (0.01, 0.05)
+
+
+@dataclass
+class _Boxes:
+    """``N`` boxes of the flat input: ``lower``/``upper`` ``[N, d]`` and the split depth ``[N]``."""
+
+    lower: Tensor
+    upper: Tensor
+    depth: Tensor
+
+    def __len__(self) -> int:
+        return self.lower.shape[0]
+
+    def take(self, index: Tensor) -> _Boxes:
+        return _Boxes(self.lower[index], self.upper[index], self.depth[index])
+
+    def interval(self, shape: tuple[int, ...]) -> Interval:
+        return Interval(self.lower.view(-1, *shape), self.upper.view(-1, *shape))
+
+
+class _BoxStack:
+    """Open boxes, last in first out, in tensors that grow by doubling."""
+
+    def __init__(self, first: _Boxes) -> None:
+        self._storage, self._size = first, len(first)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, boxes: _Boxes) -> None:
+        end = self._size + len(boxes)
+        if end > len(self._storage):
+            grown = max(2 * len(self._storage), end)
+            self._storage = _Boxes(
+                *(torch.cat([t, t.new_zeros(grown - len(t), *t.shape[1:])]) for t in vars(self._storage).values())
+            )
+        for name, value in vars(boxes).items():
+            getattr(self._storage, name)[self._size : end] = value
+        self._size = end
+
+    def pop(self, count: int) -> _Boxes:
+        start = max(self._size - count, 0)
+        taken = _Boxes(*(t[start : self._size].clone() for t in vars(self._storage).values()))
+        self._size = start
+        return taken
+
+
+def _bound(graph: BoundGraph, spec: OutputSpec, boxes: Interval) -> tuple[Backward, dict[str, Interval]]:
+    """CROWN over the spec rows, and the intermediate bounds it used."""
+    bounds = intermediate_bounds(graph, boxes, forward=True)
+    return backward_bound(graph, graph.output.name, spec.rows(boxes.lower.shape[0]), boxes, bounds), bounds
+
+
+def _unstable(graph: BoundGraph, bounds: dict[str, Interval]) -> Tensor:
+    """Unstable ReLUs per box ``[N]``."""
+    return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
+
+
+def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -> tuple[DomainBatch, Tensor]:
+    """Every combination of phases of the domains' unstable ReLUs, as domains (``owner``: their box)."""
+    pres = list(graph.pre_activation.values())
+    finished, owners = [], []
+    while len(domains):
+        layer = torch.full((len(domains),), -1, dtype=torch.long)
+        neuron = torch.zeros(len(domains), dtype=torch.long)
+        for index, pre in enumerate(pres):
+            bounds = Interval(domains.lower[pre], domains.upper[pre])
+            free = ReLU.unstable(bounds).flatten(1) & (domains.splits[pre].flatten(1) == 0)
+            first = free.any(1) & (layer < 0)
+            layer = torch.where(first, index, layer)
+            neuron = torch.where(first, free.to(torch.int8).argmax(1), neuron)
+        split = layer >= 0
+        finished.append(domains.take((~split).nonzero().flatten()))
+        owners.append(owner[~split])
+        chosen = split.nonzero().flatten()
+        domains = domains.take(chosen).split(pres, layer[chosen], neuron[chosen])
+        owner = owner[chosen].repeat(2)
+    return DomainBatch.cat(finished), torch.cat(owners)
+
+
+def _close_by_phases(
+    graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, bounds: dict[str, Interval], out: Backward
+) -> tuple[Tensor, Tensor | None]:
+    """Try to prove boxes with few unstable ReLUs by fixing every combination of their phases: on each piece the
+    network is linear, and β-CROWN's bound approaches its exact minimum there. Returns which boxes are proven and a
+    counterexample, if a piece's minimising corner is one."""
+    n = len(boxes)
+    alphas = initial_alphas(graph, graph.output.name, spec.num_rows, bounds)
+    domains = DomainBatch.unsplit(graph, spec, bounds, alphas, out.lower)
+    domains, owner = _split_every_phase(graph, domains, torch.arange(n))
+    # β-CROWN in rounds, dropping the pieces proven so far: most are proven in a few iterations, a few need many.
+    pieces = boxes.take(owner)
+    cex = None
+    for _ in range(_PHASE_ROUNDS):
+        interval = pieces.interval(graph.input.shape)
+        stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
+        rows = spec.rows(len(domains))
+        result = beta_crown(graph, interval, rows, domains, _PHASE_ITERATIONS, *_PHASE_LR, stop_above=stop)
+        domains.margins = torch.maximum(result.lower.T - spec.rhs, domains.margins)
+        open_ = (spec.value(domains.margins) <= 0).nonzero().flatten()
+        corners = result.minimiser(interval)[:, open_].flatten(0, 1)
+        cex = _counterexample(graph, spec, corners) if corners.numel() else None
+        domains, pieces, owner = domains.take(open_), pieces.take(open_), owner[open_]
+        if not len(domains) or cex is not None:
+            break
+    proven = torch.ones(n, dtype=torch.bool)
+    proven[owner] = False
+    return proven, cex
+
+
+def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
+    """Each row's lower linear bound ``A x + c`` over the boxes: ``A [S, N, d]``, ``c [S, N]`` (float64)."""
+    A = out.input_A.flatten(2).double()
+    minimum = torch.where(A >= 0, A * boxes.lower.double(), A * boxes.upper.double()).sum(-1)
+    return A, out.lower.double() - minimum
+
+
+def _clip(boxes: _Boxes, A: Tensor, c: Tensor, rhs: Tensor) -> tuple[_Boxes, Tensor]:
+    """The boxes shrunk to where every row's plane stays ``≤ rhs`` (a counterexample needs all rows of its
+    disjunct ``≤ 0``, and the plane is below the row), and which boxes are not empty."""
+    lower, upper = boxes.lower.double(), boxes.upper.double()
+    term_min = torch.where(A >= 0, A * lower, A * upper)  # [S, N, d]
+    rest = c.unsqueeze(-1) + term_min.sum(-1, keepdim=True) - term_min  # min over the other coordinates
+    limit = (rhs.double().view(-1, 1, 1) - rest) / torch.where(A == 0, 1.0, A)
+    new_upper = torch.where(A > 0, limit, torch.inf).amin(0)
+    new_lower = torch.where(A < 0, limit, -torch.inf).amax(0)
+    slack = _CLIP_SLACK * (upper - lower) + 1e-12
+    new_lower = torch.maximum(lower, new_lower - slack)
+    new_upper = torch.minimum(upper, new_upper + slack)
+    keep = (new_lower <= new_upper).all(1)
+    dtype = boxes.lower.dtype
+    # Round outwards so that the float box still contains the float64 one.
+    lo, hi = new_lower.to(dtype), new_upper.to(dtype)
+    lo = torch.where(lo.double() > new_lower, torch.nextafter(lo, torch.tensor(-torch.inf, dtype=dtype)), lo)
+    hi = torch.where(hi.double() < new_upper, torch.nextafter(hi, torch.tensor(torch.inf, dtype=dtype)), hi)
+    return _Boxes(lo, hi, boxes.depth), keep
+
+
+def _sb_scores(A: Tensor, margins: Tensor, boxes: _Boxes) -> Tensor:
+    width = (boxes.upper - boxes.lower).double()
+    gain = A.abs().clamp(min=_SB_COEFFICIENT_FLOOR) * width / 2 + margins.T.double().unsqueeze(-1)
+    return gain.amax(0)
+
+
+def _trial_scores(graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable: Tensor) -> Tensor:
+    """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better)."""
+    n, d = boxes.lower.shape
+    dims = splittable.any(0).nonzero().flatten()
+    halves = _split(boxes.take(torch.arange(n).repeat(len(dims))), dims.repeat_interleave(n).unsqueeze(1))
+    interval = halves.interval(graph.input.shape)
+    bounds = forward_bounds(graph, interval)
+    lower = backward_bound(graph, graph.output.name, spec.rows(len(halves)), interval, bounds).lower
+    value = spec.value(lower.T - spec.rhs).clamp(max=0).double().view(2, len(dims), n).sum(0)
+    scores = torch.full((n, d), -torch.inf, dtype=torch.float64)
+    scores[:, dims] = value.T
+    return scores
+
+
+def _split(boxes: _Boxes, dims: Tensor) -> _Boxes:
+    """The ``2^k`` children of each box bisected along its ``dims [N, k]`` (child ``c`` of box ``i`` is row
+    ``c·N + i``)."""
+    n, k = dims.shape
+    children = 1 << k
+    lower, upper = boxes.lower.repeat(children, 1), boxes.upper.repeat(children, 1)
+    rows = torch.arange(n * children)
+    combo = rows // n
+    dims = dims.repeat(children, 1)
+    for j in range(k):
+        dim = dims[:, j]
+        lo, hi = lower[rows, dim], upper[rows, dim]
+        mid = lo + (hi - lo) / 2
+        upper_half = ((combo >> j) & 1).bool()
+        lower[rows, dim] = torch.where(upper_half, mid, lo)
+        upper[rows, dim] = torch.where(upper_half, hi, mid)
+    return _Boxes(lower, upper, boxes.depth.repeat(children) + k)
+
+
+def _counterexample(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> Tensor | None:
+    value = spec.point_value(graph(points))
+    hit = (value <= 0).nonzero()
+    return points[hit[0, 0]] if hit.numel() else None
+
+
+class _Search:
+    """One search over sub-boxes of the root with its own branching rule: the open boxes, and those with few
+    unstable ReLUs waiting to be tried piece by piece (in batches: one β-CROWN optimisation costs about the same
+    for one box as for hundreds)."""
+
+    def __init__(self, root: _Boxes, branching: InputBranching) -> None:
+        self.stack, self.phases, self.branching = _BoxStack(root), _BoxStack(root.take(torch.arange(0))), branching
+        self.rounds, self.stuck = 0, False
+
+    def __len__(self) -> int:
+        return len(self.stack) + len(self.phases)
+
+
+def input_split(
+    graph: BoundGraph,
+    spec: OutputSpec,
+    box: Interval,
+    config: VerifyConfig,
+    deadline: float,
+    generator: torch.Generator | None = None,
+) -> BabOutcome:
+    """Decide ``spec`` (one disjunct: all its rows must be ``≤ 0`` for a counterexample) over ``box [1, *input]``
+    by splitting the box (see the module docs)."""
+    shape = graph.input.shape
+    root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long))
+    min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
+    searches = [_Search(root, branching) for branching in config.input_branching]
+    batch = config.input_batch_size
+    bounded, max_depth = 0, 0
+
+    def outcome(verdict: Verdict, cex: Tensor | None = None) -> BabOutcome:
+        return BabOutcome(verdict, cex, bounded, max_depth, min(len(s) for s in searches))
+
+    for turn in range(1 << 62):
+        search = searches[turn % len(searches)]
+        if not len(search):
+            return outcome(Verdict.UNKNOWN if search.stuck else Verdict.UNSAT)
+        if past(deadline):
+            return outcome(Verdict.TIMEOUT)
+        if len(search) > config.max_input_domains:
+            return outcome(Verdict.UNKNOWN)
+        by_phases = len(search.phases) >= _PHASE_BATCH or not len(search.stack)
+        boxes = (search.phases if by_phases else search.stack).pop(_PHASE_BATCH if by_phases else batch)
+        interval = boxes.interval(shape)
+        with torch.no_grad():
+            out, bounds = _bound(graph, spec, interval)
+            margins = out.lower.T - spec.rhs  # [N, S]
+            corners = out.minimiser(interval).flatten(0, 1)
+            cex = _counterexample(graph, spec, torch.cat([interval.center, corners]))
+        bounded += len(boxes)
+        max_depth = max(max_depth, int(boxes.depth.max()))
+        search.rounds += 1
+        if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
+            worst = spec.value(margins).argsort()[:_ATTACK_BOXES]
+            cex = pgd_attack(graph, spec, boxes.take(worst).interval(shape), 1, _ATTACK_STEPS, generator=generator)
+        if cex is not None:
+            return outcome(Verdict.SAT, cex.reshape(shape))
+        with torch.no_grad():
+            open_ = spec.value(margins) <= 0
+            if by_phases:
+                cex = _try_phases(graph, spec, boxes, out, bounds, open_)
+            else:
+                few = open_ & (_unstable(graph, bounds) <= _PHASE_SPLIT_MAX_UNSTABLE)
+                search.phases.push(boxes.take(few))
+                open_ &= ~few
+            if cex is not None:
+                return outcome(Verdict.SAT, cex.reshape(shape))
+            children = _branch(graph, spec, boxes, out, margins, open_, min_width, search, batch)
+        if children is not None:
+            search.stack.push(children)
+    raise AssertionError("unreachable")
+
+
+def _try_phases(
+    graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, out: Backward, bounds: dict[str, Interval], open_: Tensor
+) -> Tensor | None:
+    """The open boxes with few unstable ReLUs tried piece by piece; the proven ones are marked closed in ``open_``
+    (the others go on to be split). Returns a counterexample if a piece's minimising corner is one."""
+    few = open_ & (_unstable(graph, bounds) <= _PHASE_SPLIT_MAX_UNSTABLE)
+    if not few.any():
+        return None
+    index = few.nonzero().flatten()
+    pieces = {name: Interval(b.lower[index], b.upper[index]) for name, b in bounds.items()}
+    proven, cex = _close_by_phases(graph, spec, boxes.take(index), pieces, Backward(out.lower[:, index], None))
+    open_[index[proven]] = False
+    return cex
+
+
+def _branch(
+    graph: BoundGraph,
+    spec: OutputSpec,
+    boxes: _Boxes,
+    out: Backward,
+    margins: Tensor,
+    open_: Tensor,
+    min_width: Tensor,
+    search: _Search,
+    batch: int,
+) -> _Boxes | None:
+    """The children of the ``open_`` boxes: clipped, then split by the search's rule (``None``: none left)."""
+    open_ = open_.nonzero().flatten()
+    if not open_.numel():
+        return None
+    A, c = _planes(out, boxes)
+    boxes, margins, A, c = boxes.take(open_), margins[open_], A[:, open_], c[:, open_]
+    boxes, keep = _clip(boxes, A, c, spec.rhs)
+    boxes, margins, A = boxes.take(keep), margins[keep], A[:, keep]
+    wide = (boxes.upper - boxes.lower).double() > min_width
+    splittable = wide.any(1)
+    search.stuck = search.stuck or not bool(splittable.all())
+    boxes, margins, A, wide = boxes.take(splittable), margins[splittable], A[:, splittable], wide[splittable]
+    if not len(boxes):
+        return None
+    if search.branching is InputBranching.SB:
+        scores = _sb_scores(A, margins, boxes)
+    else:
+        scores = _trial_scores(graph, spec, boxes, wide)
+    scores = torch.where(wide, scores, -torch.inf)
+    # Split along as many dimensions as keep the next batch within its size (at least one).
+    k = max(1, min(int(math.log2(max(batch // len(boxes), 1))), int(wide.sum(1).min())))
+    dims = scores.topk(k, dim=1).indices
+    return _split(boxes, dims)

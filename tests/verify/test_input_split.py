@@ -1,0 +1,180 @@
+"""Input-space branch and bound: verdicts on small random nets against a dense grid, for every branching rule;
+soundness of every sub-box bound met during a search; clipping and splitting against sampled points."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
+from lightning_fedshard.verify.bab import input_split as split_module
+from lightning_fedshard.verify.config import BabMode, InputBranching
+from lightning_fedshard.verify.ops import Linear, ReLU
+from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
+
+
+def _random_net(seed: int, inputs: int, hidden: int = 16, depth: int = 3) -> BoundGraph:
+    gen = torch.Generator().manual_seed(seed)
+    widths = (inputs, *([hidden] * depth), 2)
+    nodes, previous = [Node("x", None, (), (inputs,))], "x"
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+        weight = torch.randn(fan_out, fan_in, generator=gen) / fan_in**0.5
+        nodes.append(Node(f"fc{i}", Linear(weight, torch.randn(fan_out, generator=gen) * 0.3), (previous,), (fan_out,)))
+        previous = f"fc{i}"
+        if i < len(widths) - 2:
+            nodes.append(Node(f"relu{i}", ReLU(), (previous,), (fan_out,)))
+            previous = f"relu{i}"
+    return BoundGraph(nodes)
+
+
+def _grid(inputs: int) -> torch.Tensor:
+    points = 201 if inputs == 2 else 41
+    axis = torch.linspace(-1, 1, points)
+    return torch.stack(torch.meshgrid(*([axis] * inputs), indexing="ij"), -1).reshape(-1, inputs)
+
+
+def _property(graph: BoundGraph, inputs: int, safe: bool, margin: float = 0.05) -> tuple[Property, float]:
+    """``y_0 − y_1 ≤ threshold`` is unsafe, the threshold ``margin`` below (safe) or above (violated) the grid's
+    minimum. 0.05 is far more than the nets' Lipschitz constant times the grid step, so the verdict is known."""
+    with torch.no_grad():
+        y = graph(_grid(inputs))
+    minimum = (y[:, 0] - y[:, 1]).min().item()
+    threshold = minimum - margin if safe else minimum + margin
+    case = Case(
+        InputBox(-np.ones(inputs), np.ones(inputs)), (Disjunct(np.array([[1.0, -1.0]]), np.array([threshold])),)
+    )
+    return Property(inputs, 2, (case,)), threshold
+
+
+RULES = [(InputBranching.SB,), (InputBranching.TRIAL,), (InputBranching.SB, InputBranching.TRIAL)]
+
+
+@pytest.mark.parametrize("rules", RULES, ids=lambda r: "+".join(b.value for b in r))
+@pytest.mark.parametrize("inputs", [2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_input_splitting_agrees_with_a_dense_grid(seed, inputs, rules):
+    graph = _random_net(seed, inputs)
+    for safe in (True, False):
+        prop, threshold = _property(graph, inputs, safe)
+        config = VerifyConfig(timeout=60, bab=BabMode.INPUT, input_branching=rules, attack_restarts=0, attack_steps=0)
+        result = verify(graph, prop, config)
+        if safe:
+            assert result.verdict is Verdict.UNSAT and result.bab_modes == ["input"]
+        else:
+            assert result.verdict is Verdict.SAT
+            x = torch.tensor(result.counterexample.x, dtype=torch.float32).view(1, -1)
+            y = graph(x)[0]
+            assert (y[0] - y[1]).item() <= threshold
+            assert bool((x.abs() <= 1).all())
+
+
+def test_every_sub_box_bound_holds_on_points_sampled_in_it(monkeypatch):
+    graph = _random_net(7, 3)
+    prop, _ = _property(graph, 3, safe=True)
+    gen = torch.Generator().manual_seed(0)
+    checked = []
+    bound = split_module._bound
+
+    def checked_bound(graph, spec, boxes):
+        out, bounds = bound(graph, spec, boxes)
+        n = boxes.lower.shape[0]
+        points = boxes.lower + (boxes.upper - boxes.lower) * torch.rand(64, *boxes.lower.shape, generator=gen)
+        y = graph(points.reshape(64 * n, -1)).reshape(64, n, -1)
+        value = torch.einsum("sk,pnk->psn", spec.matrix, y)  # [points, rows, boxes]
+        assert bool((value >= out.lower - 1e-5).all()), "a sampled point lies below its sub-box's bound"
+        checked.append(n)
+        return out, bounds
+
+    monkeypatch.setattr(split_module, "_bound", checked_bound)
+    result = verify(graph, prop, VerifyConfig(timeout=60, bab=BabMode.INPUT, attack_restarts=0))
+    assert result.verdict is Verdict.UNSAT
+    assert sum(checked) == result.domains_bounded > 100  # a real search, every bound checked
+
+
+def _values(graph: BoundGraph, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    values = {graph.input.name: x}
+    for node in graph.nodes[1:]:
+        values[node.name] = node.op.forward(*(values[name] for name in node.inputs))
+    return values
+
+
+def test_pieces_with_fixed_phases_are_bounded_soundly(monkeypatch):
+    """The boxes closed piece by piece: for every piece (a box with the phases of its unstable ReLUs fixed), the
+    points sampled in its box whose activations agree with those phases lie above its β-CROWN bound."""
+    graph = _random_net(3, 2, hidden=8)
+    # Tight (closer than the grid can vouch for): boxes near the minimum need their pieces.
+    prop, threshold = _property(graph, 2, safe=True, margin=0.005)
+    gen = torch.Generator().manual_seed(0)
+    pieces_checked = []
+    beta_crown = split_module.beta_crown
+
+    def checked(graph, box, C, domains, *args, **kwargs):
+        splits = {pre: value.clone() for pre, value in domains.splits.items()}
+        result = beta_crown(graph, box, C, domains, *args, **kwargs)
+        n = box.lower.shape[0]
+        points = box.lower + (box.upper - box.lower) * torch.rand(256, *box.lower.shape, generator=gen)
+        values = _values(graph, points.reshape(256 * n, -1))
+        agree = torch.ones(256, n, dtype=torch.bool)
+        for pre, split in splits.items():
+            z = values[pre].reshape(256, n, -1)
+            agree &= ((split == 0) | (split * z >= 0)).all(-1)
+        y = values[graph.output.name].reshape(256, n, -1)
+        value = torch.einsum("snk,pnk->psn", C, y)
+        assert bool((value >= result.lower - 1e-4)[agree.unsqueeze(1).expand_as(value)].all())
+        pieces_checked.append(n)
+        return result
+
+    monkeypatch.setattr(split_module, "beta_crown", checked)
+    result = verify(graph, prop, VerifyConfig(timeout=60, bab=BabMode.INPUT, attack_restarts=0))
+    assert pieces_checked, "no box was tried piece by piece"
+    assert result.verdict in (Verdict.UNSAT, Verdict.SAT)
+    if result.verdict is Verdict.SAT:
+        y = graph(torch.tensor(result.counterexample.x, dtype=torch.float32).view(1, -1))[0]
+        assert (y[0] - y[1]).item() <= threshold
+
+
+def test_clipping_keeps_every_point_the_planes_allow():
+    gen = torch.Generator().manual_seed(0)
+    n, d, rows = 200, 3, 2
+    lower = torch.rand(n, d, generator=gen) - 1
+    upper = lower + torch.rand(n, d, generator=gen)
+    boxes = split_module._Boxes(lower, upper, torch.zeros(n, dtype=torch.long))
+    A = torch.randn(rows, n, d, generator=gen, dtype=torch.float64)
+    c = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    rhs = torch.zeros(rows)
+    clipped, keep = split_module._clip(boxes, A, c, rhs)
+    points = lower + (upper - lower) * torch.rand(5000, n, d, generator=gen)
+    allowed = (torch.einsum("snd,pnd->psn", A, points.double()) + c <= 0).all(1)  # [points, boxes]
+    inside = ((points >= clipped.lower) & (points <= clipped.upper)).all(-1)
+    assert not bool((allowed & ~inside).any()), "clipping cut off a point every plane allows"
+    assert not bool((allowed & ~keep).any()), "a box with an allowed point was dropped"
+    assert bool((clipped.upper - clipped.lower)[keep].sum() < (upper - lower)[keep].sum())  # it does shrink
+
+
+def test_splitting_partitions_each_box():
+    boxes = split_module._Boxes(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[1.0, 2.0, 4.0]]), torch.zeros(1))
+    children = split_module._split(boxes, torch.tensor([[2, 0]]))
+    assert len(children) == 4 and children.depth.tolist() == [2, 2, 2, 2]
+    volume = (children.upper - children.lower).prod(1)
+    assert torch.allclose(volume, torch.full((4,), 2.0))
+    corners = {tuple(row) for row in children.lower.tolist()}
+    assert corners == {(0.0, 0.0, 0.0), (0.5, 0.0, 0.0), (0.0, 0.0, 2.0), (0.5, 0.0, 2.0)}
+
+
+def test_auto_splits_the_input_of_small_boxes_with_many_unstable_relus():
+    from lightning_fedshard.verify.ops import Interval
+    from lightning_fedshard.verify.verifier import _bab_mode
+
+    config = VerifyConfig()
+    five = Interval(torch.zeros(1, 5), torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]]))  # 4 free dimensions
+    assert _bab_mode(config, five, unstable=150) is BabMode.INPUT
+    assert _bab_mode(config, five, unstable=3) is BabMode.RELU  # fewer ReLU splits than input dimensions
+    wide = Interval(torch.zeros(1, 784), torch.full((1, 784), 0.1))
+    assert _bab_mode(config, wide, unstable=150) is BabMode.RELU
+    assert _bab_mode(VerifyConfig(bab="input"), wide, unstable=150) is BabMode.INPUT
+    small = _random_net(0, 3)
+    prop, _ = _property(small, 3, safe=True)
+    assert verify(small, prop, VerifyConfig(timeout=60)).bab_modes == ["input"]
