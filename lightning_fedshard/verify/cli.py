@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_fedshard.verify.config import BabMode, Method, VerifyConfig
+from lightning_fedshard.verify.config import BabMode, Method, Refine, VerifyConfig
 from lightning_fedshard.verify.instances import (
     Instance,
     InstanceResult,
@@ -66,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
         "networks with few inputs and many unstable ReLUs; default)",
     )
     parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
+    parser.add_argument(
+        "--refine",
+        choices=[r.value for r in Refine],
+        default=Refine.AUTO.value,
+        help="tighten intermediate bounds by LP or MILP (HiGHS) before ReLU branch-and-bound (auto: MILP for MLPs "
+        "with ≥ 3 ReLU layers)",
+    )
+    parser.add_argument(
+        "--lp-workers", type=int, default=VerifyConfig.refine_workers, help="processes solving LP/MILP neurons"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--measure-memory",
@@ -305,6 +315,8 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
         config = VerifyConfig(
             method=Method(args.method),
             bab=BabMode(args.bab),
+            refine=Refine(args.refine),
+            refine_workers=args.lp_workers,
             timeout=timeout,
             batch_size=args.batch_size,
             seed=args.seed,

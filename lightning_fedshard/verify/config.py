@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["BabMode", "InputBranching", "Method", "Verdict", "VerifyConfig"]
+__all__ = ["BabMode", "InputBranching", "Method", "Refine", "Verdict", "VerifyConfig"]
 
 
 class Method(str, Enum):
@@ -38,6 +38,18 @@ class InputBranching(str, Enum):
 
     SB = "sb"
     TRIAL = "trial"
+
+
+class Refine(str, Enum):
+    """How the intermediate bounds are tightened before ReLU branch-and-bound (α,β-CROWN's *bab-refine*): not at
+    all, by an LP over the triangle relaxation, or by a MILP with binary ReLU phases (HiGHS). ``auto``: MILP for
+    fully connected ReLU networks with at least three ReLU layers (where α-CROWN's bounds leave branch-and-bound
+    too much to do), else none; never in sharded runs."""
+
+    NONE = "none"
+    LP = "lp"
+    MILP = "milp"
+    AUTO = "auto"
 
 
 class Verdict(str, Enum):
@@ -80,6 +92,13 @@ class VerifyConfig:
     branching_candidates: int = 3
     #: What branch-and-bound splits (see :class:`BabMode`).
     bab: BabMode = BabMode.AUTO
+    #: LP/MILP refinement of the intermediate bounds before ReLU branch-and-bound (see :class:`Refine`): at most
+    #: this fraction of the timeout, each solve capped at ``refine_solve_limit`` seconds, spread over
+    #: ``refine_workers`` processes (one run per core: 1).
+    refine: Refine = Refine.AUTO
+    refine_budget: float = 0.5
+    refine_solve_limit: float = 2.0
+    refine_workers: int = 1
     #: ``auto`` splits the input of networks with at most this many (non-degenerate) input dimensions.
     input_split_max_dims: int = 20
     #: Input splitting: boxes bounded per round (small batches keep the union of unstable neurons, whose rows
@@ -102,10 +121,19 @@ class VerifyConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
         object.__setattr__(self, "bab", BabMode(self.bab))
+        object.__setattr__(self, "refine", Refine(self.refine))
         object.__setattr__(self, "input_branching", tuple(InputBranching(b) for b in self.input_branching))
         if not self.input_branching:
             raise ValueError("VerifyConfig.input_branching needs at least one rule")
-        for name in ("timeout", "alpha_lr", "beta_lr_alpha", "beta_lr_beta", "attack_budget"):
+        for name in (
+            "timeout",
+            "alpha_lr",
+            "beta_lr_alpha",
+            "beta_lr_beta",
+            "attack_budget",
+            "refine_budget",
+            "refine_solve_limit",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"VerifyConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("attack_restarts", "attack_steps", "alpha_iterations", "beta_iterations", "attack_every"):
@@ -118,6 +146,7 @@ class VerifyConfig:
             "input_split_max_dims",
             "input_batch_size",
             "max_input_domains",
+            "refine_workers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"VerifyConfig.{name} must be ≥ 1, got {getattr(self, name)}")

@@ -9,17 +9,25 @@ from torch import Tensor
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.spec import Case
 
-__all__ = ["OutputSpec", "box_tensor"]
+__all__ = ["OutputSpec", "box_tensor", "round_outwards"]
+
+
+def round_outwards(lower: Tensor, upper: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """float64 bounds cast to ``dtype`` so that they still contain the float64 interval."""
+    lo, hi = lower.to(dtype), upper.to(dtype)
+    lo = torch.where(lo.double() > lower, torch.nextafter(lo, torch.tensor(-np.inf, dtype=dtype)), lo)
+    hi = torch.where(hi.double() < upper, torch.nextafter(hi, torch.tensor(np.inf, dtype=dtype)), hi)
+    return lo, hi
 
 
 def box_tensor(lower: np.ndarray, upper: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> Interval:
     """The input box as ``[1, *shape]`` tensors in ``dtype``, rounded outwards so it contains the float64 box."""
-    lo = torch.from_numpy(np.asarray(lower, dtype=np.float64))
-    hi = torch.from_numpy(np.asarray(upper, dtype=np.float64))
-    lo_cast, hi_cast = lo.to(dtype), hi.to(dtype)
-    lo_cast = torch.where(lo_cast.double() > lo, torch.nextafter(lo_cast, torch.tensor(-np.inf, dtype=dtype)), lo_cast)
-    hi_cast = torch.where(hi_cast.double() < hi, torch.nextafter(hi_cast, torch.tensor(np.inf, dtype=dtype)), hi_cast)
-    return Interval(lo_cast.view(1, *shape), hi_cast.view(1, *shape))
+    lo, hi = round_outwards(
+        torch.from_numpy(np.asarray(lower, dtype=np.float64)),
+        torch.from_numpy(np.asarray(upper, dtype=np.float64)),
+        dtype,
+    )
+    return Interval(lo.view(1, *shape), hi.view(1, *shape))
 
 
 class OutputSpec:

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
-from lightning_fedshard.verify.bounds.alpha import alpha_crown
+from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
-from lightning_fedshard.verify.config import BabMode, Method, Verdict, VerifyConfig
+from lightning_fedshard.verify.bounds.lp import RefineStats, refine_bounds, supports_programs
+from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
@@ -44,6 +45,7 @@ REPORT_FIELDS = (
     "domains_bounded",
     "max_depth",
     "bab_modes",
+    "refinement",
 )
 
 
@@ -81,6 +83,8 @@ class VerificationResult:
     max_depth: int = 0
     #: Which branch-and-bound ran (``"relu"``, ``"input"``; one entry per kind, in the order the cases used them).
     bab_modes: list[str] = field(default_factory=list)
+    #: LP/MILP refinement, summed over the cases that ran it: solves, bounds tightened, neurons made stable, seconds.
+    refinement: dict[str, float] = field(default_factory=dict)
     #: For a ``sat`` from :func:`verify_files`: ``"ok"`` once the counterexample replayed on the ONNX model.
     counterexample_check: str = ""
     #: Why an instance was answered ``unknown`` without being tried (a model the verifier cannot represent, an
@@ -101,6 +105,7 @@ class VerificationResult:
             "domains_bounded": self.domains_bounded,
             "max_depth": self.max_depth,
             "bab_modes": self.bab_modes,
+            "refinement": self.refinement,
             **({"counterexample_check": self.counterexample_check} if self.counterexample_check else {}),
             **({"reason": self.reason} if self.reason else {}),
         }
@@ -151,6 +156,7 @@ class _CaseAnswer:
     bab_mode: BabMode | None = None
     domains_bounded: int = 0
     max_depth: int = 0
+    refine: RefineStats | None = None
 
 
 def _unstable_count(graph: BoundGraph, bounds: dict[str, Interval]) -> int:
@@ -165,6 +171,39 @@ def _attack_restarts(config: VerifyConfig, box: Interval) -> int:
     if config.attack_restarts is not None:
         return config.attack_restarts
     return 10_000 if _free_dims(box) <= config.input_split_max_dims else 50
+
+
+def _refinement(config: VerifyConfig, graph: BoundGraph, plan: ShardPlan) -> Refine:
+    """``config.refine`` with ``auto`` resolved; ``none`` where programs cannot be written (other operators, or
+    weights sharded over ranks)."""
+    if plan.sharded or not supports_programs(graph):
+        return Refine.NONE
+    if config.refine is not Refine.AUTO:
+        return config.refine
+    return Refine.MILP if len(graph.relus) >= 3 else Refine.NONE
+
+
+def _refine(
+    graph: BoundGraph, box: Interval, root: AlphaResult, how: Refine, config: VerifyConfig, run: _Run
+) -> tuple[dict[str, Interval], RefineStats]:
+    """LP/MILP-tightened bounds of every pre-activation that interval propagation does not give exactly, the
+    neurons with the widest triangles first, within the refinement budget."""
+    layers = [pre for pre in graph.pre_activation.values() if not graph.ibp_is_exact(pre)]
+    gap = {}
+    for pre in layers:
+        l, u = root.bounds[pre].lower, root.bounds[pre].upper
+        gap[pre] = -l * u / (u - l).clamp(min=1e-12)  # the triangle's height above the ReLU
+    return refine_bounds(
+        graph,
+        box,
+        root.bounds,
+        layers,
+        integer="all" if how is Refine.MILP else "none",
+        deadline=min(run.deadline, time.monotonic() + config.refine_budget * config.timeout),
+        time_limit=config.refine_solve_limit,
+        workers=config.refine_workers,
+        order=gap,
+    )
 
 
 def _bab_mode(config: VerifyConfig, box: Interval, unstable: int) -> BabMode:
@@ -227,10 +266,9 @@ def _verify_case(
         return undecided(margins)
 
     bab_mode = _bab_mode(config, box, _unstable_count(graph, root_bounds))
-    root = None
-    if bab_mode is BabMode.RELU or config.method is Method.ALPHA_CROWN:
-        # Input splitting bounds small boxes with plain CROWN; only ReLU splitting starts from α-CROWN's slopes.
-        root = run.timed(
+
+    def alpha(reference: dict[str, Interval] | None = None) -> AlphaResult:
+        return run.timed(
             "alpha-crown",
             alpha_crown,
             graph,
@@ -243,18 +281,33 @@ def _verify_case(
             deadline=run.deadline,
             intersect_ibp=config.intersect_ibp,
             partition=partition,
+            reference=reference,
         )
+
+    root, refine_stats = None, None
+    if bab_mode is BabMode.RELU or config.method is Method.ALPHA_CROWN:
+        # Input splitting bounds small boxes with plain CROWN; only ReLU splitting starts from α-CROWN's slopes.
+        root = alpha()
         margins = root.lower[:, 0] - spec.rhs
         if proven(margins):
             return _CaseAnswer(Verdict.UNSAT, None, "alpha-crown", margins.tolist())
     if config.method is Method.ALPHA_CROWN or run.expired:
         return undecided(margins)
+    how = _refinement(config, graph, plan) if bab_mode is BabMode.RELU else Refine.NONE
+    if how is not Refine.NONE:
+        refined, refine_stats = run.timed("refine", _refine, graph, box, root, how, config, run)
+        root = alpha(refined)
+        margins = root.lower[:, 0] - spec.rhs
+        if proven(margins):
+            return _CaseAnswer(Verdict.UNSAT, None, how.value, margins.tolist(), refine=refine_stats)
+        if run.expired:
+            return undecided(margins)
 
     # Each disjunct not ruled out at the root gets its own search (α,β-CROWN does the same per target label): the
     # branching then serves one objective, and the rows already proven cost nothing more.
     open_disjuncts = [d for d in range(spec.num_disjuncts) if float(margins[spec.rows_of(d)].max()) <= 0]
     open_disjuncts.sort(key=lambda d: float(margins[spec.rows_of(d)].max()))
-    answer = _CaseAnswer(Verdict.UNSAT, None, "bab", margins.tolist(), bab_mode)
+    answer = _CaseAnswer(Verdict.UNSAT, None, "bab", margins.tolist(), bab_mode, refine=refine_stats)
     for d in open_disjuncts:
         if bab_mode is BabMode.INPUT:
             outcome = run.timed("bab", input_split, graph, spec.only(d), box, config, run.deadline, generator)
@@ -339,6 +392,9 @@ def _decide_case(
     result.max_depth = max(result.max_depth, answer.max_depth)
     if answer.bab_mode is not None and answer.bab_mode.value not in result.bab_modes:
         result.bab_modes.append(answer.bab_mode.value)
+    if answer.refine is not None:
+        for key in ("solves", "tightened", "stabilised", "seconds"):
+            result.refinement[key] = result.refinement.get(key, 0) + getattr(answer.refine, key)
     if answer.verdict is Verdict.SAT:
         result.verdict, result.decided_by = Verdict.SAT, answer.decided_by
         result.counterexample = _counterexample(graph, answer.counterexample)

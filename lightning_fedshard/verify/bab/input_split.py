@@ -39,7 +39,7 @@ from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, int
 from lightning_fedshard.verify.bounds.forward import forward_bounds
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.objective import OutputSpec, round_outwards
 from lightning_fedshard.verify.ops import Interval, ReLU
 from lightning_fedshard.verify.shard.lockstep import past
 
@@ -189,11 +189,7 @@ def _clip(boxes: _Boxes, A: Tensor, c: Tensor, rhs: Tensor) -> tuple[_Boxes, Ten
     new_lower = torch.maximum(lower, new_lower - slack)
     new_upper = torch.minimum(upper, new_upper + slack)
     keep = (new_lower <= new_upper).all(1)
-    dtype = boxes.lower.dtype
-    # Round outwards so that the float box still contains the float64 one.
-    lo, hi = new_lower.to(dtype), new_upper.to(dtype)
-    lo = torch.where(lo.double() > new_lower, torch.nextafter(lo, torch.tensor(-torch.inf, dtype=dtype)), lo)
-    hi = torch.where(hi.double() < new_upper, torch.nextafter(hi, torch.tensor(torch.inf, dtype=dtype)), hi)
+    lo, hi = round_outwards(new_lower, new_upper, boxes.lower.dtype)
     return _Boxes(lo, hi, boxes.depth), keep
 
 

@@ -61,13 +61,15 @@ def alpha_crown(
     deadline: float | None = None,
     intersect_ibp: bool = True,
     partition: RowPartition | None = None,
+    reference: dict[str, Interval] | None = None,
 ) -> AlphaResult:
     """Optimise the lower bound of ``Σ C·output`` (``C [S, B, *output shape]``) over ``box``.
 
     Stops early once every row's bound exceeds ``stop_above [S, B]`` (the property is proven), or at
-    ``deadline`` (a ``time.monotonic()`` value). With a ``partition`` every pass bounds only this rank's chunk of
-    its rows, so this rank holds only that chunk's slopes (and their optimiser state); the returned output slopes
-    are gathered whole.
+    ``deadline`` (a ``time.monotonic()`` value). ``reference`` bounds of pre-activation nodes (known valid, e.g.
+    refined by LP/MILP) are intersected into every intermediate bound kept. With a ``partition`` every pass bounds
+    only this rank's chunk of its rows, so this rank holds only that chunk's slopes (and their optimiser state); the
+    returned output slopes are gathered whole.
     """
     output = graph.output.name
     refined: dict[str, Tensor] = {}
@@ -76,19 +78,25 @@ def alpha_crown(
         return n if partition is None else len(range(n)[partition.span(n)])
 
     with torch.no_grad():
-        reference = intermediate_bounds(
-            graph, box, intersect_ibp=intersect_ibp, used_rows=refined, partition=partition, deadline=deadline
+        start_bounds = intermediate_bounds(
+            graph,
+            box,
+            reference=reference,
+            intersect_ibp=intersect_ibp,
+            used_rows=refined,
+            partition=partition,
+            deadline=deadline,
         )
-        crown_lower = spec_lower(graph, C, box, reference, partition=partition)
+        crown_lower = spec_lower(graph, C, box, start_bounds, partition=partition)
     refined = {pre: index for pre, index in refined.items() if index.numel()}
     alphas = {
-        pre: initial_alphas(graph, pre, 2 * local_rows(index.numel()), reference) for pre, index in refined.items()
+        pre: initial_alphas(graph, pre, 2 * local_rows(index.numel()), start_bounds) for pre, index in refined.items()
     }
-    alphas[output] = initial_alphas(graph, output, local_rows(C.shape[0]), reference)
+    alphas[output] = initial_alphas(graph, output, local_rows(C.shape[0]), start_bounds)
     parameters = [alpha.requires_grad_() for per_start in alphas.values() for alpha in per_start.values()]
 
     best_lower = crown_lower.clone()
-    best_bounds = {pre: reference[pre] for pre in graph.pre_activation.values() if pre in reference}
+    best_bounds = {pre: start_bounds[pre] for pre in graph.pre_activation.values() if pre in start_bounds}
     best_alphas = {relu: alpha.detach().clone() for relu, alpha in alphas[output].items()}
     if not parameters:
         return AlphaResult(best_lower, best_bounds, _whole(best_alphas, C.shape[0], partition), 0)
@@ -102,10 +110,18 @@ def alpha_crown(
         if agree(stop_above is not None and bool((best_lower > stop_above).all())):
             break
         with torch.enable_grad():
-            # No intersection with interval or earlier bounds here: where those are tighter they would take
-            # the gradient away from the slopes that could make CROWN tighter still.
+            # The refined neurons' CROWN bounds replace the interval and earlier ones here (intersecting would take
+            # the gradient away from the slopes that could make CROWN tighter still where those are tighter); the
+            # neurons CROWN does not refine keep the tightest bounds known, not plain interval ones.
             bounds = intermediate_bounds(
-                graph, box, alphas, None, refined, intersect_ibp=False, partition=partition, deadline=deadline
+                graph,
+                box,
+                alphas,
+                {pre: Interval(b.lower.detach(), b.upper.detach()) for pre, b in best_bounds.items()},
+                refined,
+                intersect_ibp=False,
+                partition=partition,
+                deadline=deadline,
             )
             for pre, best in best_bounds.items():
                 now = bounds[pre]

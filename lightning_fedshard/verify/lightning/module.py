@@ -145,6 +145,7 @@ class VerificationModule(LightningModule):
             "domains_bounded": 0,
             "max_depth": 0,
             "bab_modes": [],
+            "refinement": {},
             "reason": "",
             "counterexample": None,
             "counterexample_y": None,

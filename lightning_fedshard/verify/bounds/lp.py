@@ -1,0 +1,386 @@
+"""Pre-activation bounds from linear and mixed-integer programs over the network, solved with HiGHS.
+
+CROWN-style bounds relax every ReLU separately along one backward pass; the LP over the *triangle relaxation* of all
+ReLUs before a neuron is the tightest bound those relaxations allow, and the MILP that keeps each unstable ReLU
+exact (a binary phase indicator with big-M rows) is the neuron's true range. :class:`NetworkProgram` writes the
+network up to a node as such a program over given intermediate bounds: one column per input, per pre-activation
+neuron (bounded by its current interval) and per unstable ReLU output; one equality row per pre-activation; the
+triangle rows (``a ≥ 0``, ``a ≥ z``, ``(u − l)·a − u·z ≤ −u·l``) or the big-M rows (``a ≤ u·δ``,
+``a ≤ z − l·(1 − δ)``) per unstable neuron. Chains of affine operators (Reshape, Gemm, element-wise maps, sums)
+are composed into the rows, so only the nodes a ReLU reads or writes get columns.
+
+:func:`refine_bounds` tightens the unstable neurons of chosen pre-activation layers, in order (each refined layer
+then constrains the next): minimisations first, then maximisations (the sweep that keeps HiGHS's basis useful), each
+solve capped in time, optionally spread over worker processes; a MILP stops as soon as its dual bound shows the
+neuron stable. A bound is taken only from an optimal LP or from a MILP's dual bound (valid at any time limit),
+moved outwards by a small margin for the solver's tolerances, and intersected with the old one: a solver failure
+or a timeout can only leave a bound as it was.
+
+Example::
+
+    bounds, stats = refine_bounds(graph, box, alpha.bounds, layers=["fc3", "fc4"], integer="all", deadline=...)
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.objective import round_outwards
+from lightning_fedshard.verify.ops import Add, ElementwiseAffine, Interval, LeftLinear, Linear, LinearOp, ReLU, Reshape
+
+__all__ = ["NetworkProgram", "RefineStats", "refine_bounds", "supports_programs"]
+
+#: A bound from the solver moves outwards by this much (relative, with an absolute floor): HiGHS's primal and dual
+#: feasibility tolerances are 1e-7.
+_MARGIN = 1e-6
+#: A MILP stops once the objective is known to be this far on one side of zero.
+_SIGN_DECIDED = 1e-5
+_MIP_STOPS = (
+    highspy.HighsModelStatus.kOptimal,
+    highspy.HighsModelStatus.kTimeLimit,
+    highspy.HighsModelStatus.kInterrupt,
+)
+
+
+def _quiet_highs() -> highspy.Highs:
+    """A solver that prints nothing (the first one of a process prints a banner before options can be set)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+#: The operators a program is written for: those of fully connected networks. (Convolutions and pooling are affine
+#: too, but their composed dense matrices grow with the image: a program for them would not fit in memory.)
+_PROGRAM_OPS = (Linear, LeftLinear, ElementwiseAffine, Reshape, Add, ReLU)
+
+
+def supports_programs(graph: BoundGraph) -> bool:
+    """Whether ``graph`` is a fully connected ReLU network :class:`NetworkProgram` can write out."""
+    return all(isinstance(node.op, _PROGRAM_OPS) for node in graph.nodes[1:])
+
+
+@dataclass
+class _Affine:
+    """A node's value as ``Σ_b blocks[b] @ columns(b) + constant``: ``blocks`` maps a column offset to a dense
+    ``[size, width]`` matrix over the consecutive columns starting there."""
+
+    blocks: dict[int, np.ndarray]
+    constant: np.ndarray
+
+    def through(self, op: LinearOp, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> _Affine:
+        """This expression mapped by ``op``, composed in float64 (the weights are exact in it)."""
+        op = copy.copy(op).to(torch.float64)
+
+        def apply(matrix: np.ndarray) -> np.ndarray:  # [in, width] -> [out, width]: op.linear on each column
+            columns = torch.from_numpy(np.ascontiguousarray(matrix.T)).reshape(-1, *in_shape)
+            mapped = op.linear(columns).expand(columns.shape[0], *out_shape)  # a broadcast constant widens
+            return mapped.reshape(matrix.shape[1], -1).numpy().T
+
+        blocks = {start: apply(matrix) for start, matrix in self.blocks.items()}
+        constant = op.forward(torch.from_numpy(self.constant).reshape(1, *in_shape)).reshape(-1).numpy()
+        return _Affine(blocks, constant)
+
+    def plus(self, other: _Affine, sign: float) -> _Affine:
+        blocks = dict(self.blocks)
+        for start, matrix in other.blocks.items():
+            blocks[start] = blocks[start] + sign * matrix if start in blocks else sign * matrix
+        return _Affine(blocks, self.constant + sign * other.constant)
+
+    def row(self, index: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """Column indices, coefficients (non-zero only) and constant of element ``index``."""
+        indices, values = [], []
+        for start, matrix in self.blocks.items():
+            coefficients = matrix[index]
+            nonzero = np.flatnonzero(coefficients)
+            indices.append(start + nonzero)
+            values.append(coefficients[nonzero])
+        return np.concatenate(indices).astype(np.int32), np.concatenate(values), float(self.constant[index])
+
+
+@dataclass
+class NetworkProgram:
+    """The network up to node ``target`` over ``box``, with pre-activation ``bounds``, as a HiGHS program
+    (columns, rows, integrality; see the module docs) and the affine expression of ``target`` over its columns.
+
+    Example::
+
+        program = NetworkProgram.build(graph, box, bounds, "fc3", integer=False)
+        highs = program.highs()
+        low = program.minimise(highs, neuron=7)
+    """
+
+    lower: np.ndarray
+    upper: np.ndarray
+    integrality: np.ndarray
+    rows: list[tuple[float, float, np.ndarray, np.ndarray]] = field(repr=False)
+    target: _Affine = field(repr=False)
+    #: The MILP stop rule of the solve in progress: the dual bound past which the neuron's sign is decided.
+    _stop_at: float = field(default=0.0, repr=False)
+    _sense: int = field(default=-1, repr=False)
+
+    @classmethod
+    def build(
+        cls, graph: BoundGraph, box: Interval, bounds: dict[str, Interval], target: str, integer: Collection[str] = ()
+    ) -> NetworkProgram:
+        """``box`` and ``bounds`` for one box (batch 1); the unstable neurons of the ReLU nodes named in ``integer``
+        are exact (a binary each), the others relaxed."""
+        lower = [box.lower.double().flatten().numpy()]
+        upper = [box.upper.double().flatten().numpy()]
+        integrality: list[np.ndarray] = [np.zeros(lower[0].size, dtype=bool)]
+        rows: list[tuple[float, float, np.ndarray, np.ndarray]] = []
+        width = lower[0].size
+
+        def new_columns(lo: np.ndarray, hi: np.ndarray, binary: bool = False) -> int:
+            nonlocal width
+            start = width
+            lower.append(lo)
+            upper.append(hi)
+            integrality.append(np.full(lo.size, binary))
+            width += lo.size
+            return start
+
+        affine = {graph.input.name: _Affine({0: np.eye(width)}, np.zeros(width))}
+        for node in graph.ancestors(target)[1:]:
+            sources = [affine[name] for name in node.inputs]
+            if isinstance(node.op, LinearOp):
+                in_shape = graph.by_name[node.inputs[0]].shape
+                affine[node.name] = sources[0].through(node.op, in_shape, node.shape)
+            elif isinstance(node.op, Add):
+                affine[node.name] = sources[0].plus(sources[1], -1.0 if node.op.subtract else 1.0)
+            elif isinstance(node.op, ReLU):
+                pre = bounds[node.inputs[0]]
+                l, u = pre.lower.double().flatten().numpy(), pre.upper.double().flatten().numpy()
+                affine[node.name] = cls._relu(sources[0], l, u, node.name in integer, rows, new_columns)
+            else:
+                raise TypeError(f"{type(node.op).__name__} at {node.name!r} cannot be written into a program")
+        return cls(np.concatenate(lower), np.concatenate(upper), np.concatenate(integrality), rows, affine[target])
+
+    @staticmethod
+    def _relu(pre: _Affine, l: np.ndarray, u: np.ndarray, integer: bool, rows: list, new_columns) -> _Affine:
+        """Columns ``z`` for the pre-activation (within its bounds) and ``a`` for the unstable outputs; the ReLU's
+        value as an affine expression over them (``z`` where active, 0 where inactive, ``a`` where unstable)."""
+        n = l.size
+        z = new_columns(l.copy(), u.copy())
+        for j in range(n):  # z_j − expr_j = constant_j
+            index, value, constant = pre.row(j)
+            rows.append((constant, constant, np.append(index, z + j).astype(np.int32), np.append(-value, 1.0)))
+        unstable = np.flatnonzero((l < 0) & (u > 0))
+        active = np.flatnonzero(l >= 0)
+        out = np.zeros((n, n))
+        out[active, active] = 1.0
+        blocks = {z: out}
+        if unstable.size:
+            lu, uu = l[unstable], u[unstable]
+            a = new_columns(np.zeros(unstable.size), uu.copy())
+            delta = new_columns(np.zeros(unstable.size), np.ones(unstable.size), binary=True) if integer else None
+            for k, j in enumerate(unstable):
+                zj, ak = np.int32(z + j), np.int32(a + k)
+                rows.append((0.0, highspy.kHighsInf, np.array([ak, zj]), np.array([1.0, -1.0])))  # a ≥ z
+                if delta is None:  # (u − l)·a − u·z ≤ −u·l
+                    rows.append(
+                        (-highspy.kHighsInf, -uu[k] * lu[k], np.array([ak, zj]), np.array([uu[k] - lu[k], -uu[k]]))
+                    )
+                else:
+                    dk = np.int32(delta + k)
+                    rows.append((-highspy.kHighsInf, 0.0, np.array([ak, dk]), np.array([1.0, -uu[k]])))  # a ≤ u·δ
+                    rows.append(  # a − z − l·δ ≤ −l
+                        (-highspy.kHighsInf, -lu[k], np.array([ak, zj, dk]), np.array([1.0, -1.0, -lu[k]]))
+                    )
+            selector = np.zeros((n, unstable.size))
+            selector[unstable, np.arange(unstable.size)] = 1.0
+            blocks[a] = selector
+        return _Affine(blocks, np.zeros(n))
+
+    def highs(self, threads: int = 1) -> highspy.Highs:
+        """A fresh solver holding this program (HiGHS objects cannot be pickled: build one per process)."""
+        h = _quiet_highs()
+        h.setOptionValue("threads", threads)
+        h.addVars(self.lower.size, self.lower, self.upper)
+        for lo, hi, index, value in self.rows:
+            h.addRow(lo, hi, index.size, index, value)
+        binaries = np.flatnonzero(self.integrality).astype(np.int32)
+        if binaries.size:
+            h.changeColsIntegrality(binaries.size, binaries, np.full(binaries.size, highspy.HighsVarType.kInteger))
+            h.cbMipInterrupt.subscribe(self._interrupt_when_stable)
+        return h
+
+    def _interrupt_when_stable(self, event) -> None:
+        dual = event.data_out.mip_dual_bound
+        # Set on every call: the flag outlives the run it stopped, and would stop the next one at once.
+        event.interrupt(bool(np.isfinite(dual) and self._sense * (dual - self._stop_at) < 0))
+
+    def solve(self, h: highspy.Highs, neuron: int, sense: int, time_limit: float) -> float | None:
+        """A valid bound of ``target[neuron]`` (``sense`` −1: lower, +1: upper), or ``None`` if the solver gives
+        none within ``time_limit`` seconds."""
+        index, value, constant = self.target.row(neuron)
+        h.changeColsCost(self.lower.size, np.arange(self.lower.size, dtype=np.int32), np.zeros(self.lower.size))
+        h.changeColsCost(index.size, index, value)
+        h.changeObjectiveSense(highspy.ObjSense.kMaximize if sense > 0 else highspy.ObjSense.kMinimize)
+        h.setOptionValue("time_limit", max(time_limit, 1e-3))
+        if self.integrality.any():
+            # Stop once the dual bound shows the neuron stable. (α,β-CROWN also stops at an incumbent across zero;
+            # measured here that loses most of the tightening: a tighter bound of an unstable neuron still narrows
+            # its relaxation.)
+            self._stop_at = -sense * _SIGN_DECIDED - constant
+            self._sense = sense
+        h.run()
+        status = h.getModelStatus()
+        info = h.getInfo()
+        if self.integrality.any():
+            bound = info.mip_dual_bound  # valid whether optimal, interrupted or stopped at a limit
+            if status not in _MIP_STOPS:
+                return None
+        else:
+            if status != highspy.HighsModelStatus.kOptimal:
+                return None
+            bound = info.objective_function_value
+        if not np.isfinite(bound):
+            return None
+        bound += constant
+        return bound + sense * _MARGIN * max(1.0, abs(bound))
+
+
+@dataclass
+class RefineStats:
+    """What :func:`refine_bounds` did: solves run and those that tightened a bound, neurons made stable, seconds."""
+
+    solves: int = 0
+    tightened: int = 0
+    stabilised: int = 0
+    seconds: float = 0.0
+    layers: list[str] = field(default_factory=list)
+
+
+def _solve_many(
+    program: NetworkProgram, jobs: Sequence[tuple[int, int]], time_limit: float, deadline: float
+) -> list[float | None]:
+    """Bounds for ``(neuron, sense)`` jobs in order on one solver, stopping at the deadline."""
+    h = program.highs()
+    results: list[float | None] = []
+    for neuron, sense in jobs:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            results.append(None)
+            continue
+        results.append(program.solve(h, neuron, sense, min(time_limit, left)))
+    return results
+
+
+_SHARED: dict = {}
+
+
+def _worker(args: tuple[int, float, float]) -> list[float | None]:
+    part, time_limit, deadline = args
+    program, jobs = _SHARED["program"], _SHARED["parts"][part]
+    return _solve_many(program, jobs, time_limit, deadline)
+
+
+def _solve_parallel(
+    program: NetworkProgram, jobs: list[tuple[int, int]], time_limit: float, deadline: float, workers: int
+) -> list[float | None]:
+    if workers <= 1 or len(jobs) < 2 * workers or os.name != "posix":
+        return _solve_many(program, jobs, time_limit, deadline)
+    # Same-sense sweeps per worker: worker w takes every w-th job of the (all-minimise, then all-maximise) list.
+    parts = [jobs[w::workers] for w in range(workers)]
+    _SHARED.update(program=program, parts=parts)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            done = pool.map(_worker, [(w, time_limit, deadline) for w in range(workers)])
+    finally:
+        _SHARED.clear()
+    results: list[float | None] = [None] * len(jobs)
+    for w, values in enumerate(done):
+        results[w::workers] = values
+    return results
+
+
+def refine_bounds(
+    graph: BoundGraph,
+    box: Interval,
+    bounds: dict[str, Interval],
+    layers: Sequence[str],
+    integer: str = "none",
+    deadline: float | None = None,
+    time_limit: float = 10.0,
+    workers: int = 1,
+    order: dict[str, Tensor] | None = None,
+) -> tuple[dict[str, Interval], RefineStats]:
+    """``bounds`` (batch 1) with the unstable neurons of the pre-activation nodes ``layers`` tightened, in the order
+    given, each layer's program built over the bounds refined before it: an LP (``integer="none"``), or a MILP with
+    binaries for the ReLU layer just before it (``"last"``) or for every ReLU before it (``"all"``).
+
+    ``time_limit`` caps one solve; at ``deadline`` the remaining solves are skipped. ``order[layer]``, where given,
+    ranks that layer's neurons (higher first): with a deadline the best-ranked ones are refined first. The side of
+    a neuron nearer to zero is solved first, and the other skipped once the neuron is found stable (α,β-CROWN does
+    the same).
+    """
+    start = time.monotonic()
+    deadline = float("inf") if deadline is None else deadline
+    stats = RefineStats()
+    bounds = dict(bounds)
+    for layer in layers:
+        if time.monotonic() >= deadline:
+            break
+        current = bounds[layer]
+        low, high = current.lower.flatten().double().clone(), current.upper.flatten().double().clone()
+        unstable = ((low < 0) & (high > 0)).nonzero().flatten()
+        if not unstable.numel():
+            continue
+        if order is not None and layer in order:
+            unstable = unstable[order[layer].flatten()[unstable].argsort(descending=True)]
+        relus = [relu.name for relu in graph.relus if relu.name in {n.name for n in graph.ancestors(layer)}]
+        exact = {"none": [], "last": relus[-1:], "all": relus}[integer]
+        program = NetworkProgram.build(graph, box, bounds, layer, exact)
+        # First the sides nearer to zero (they decide whether a neuron is stable), as same-sense sweeps.
+        near = [(int(j), -1 if -low[j] < high[j] else 1) for j in unstable]
+        first = [job for job in near if job[1] < 0] + [job for job in near if job[1] > 0]
+        values = _solve_parallel(program, first, time_limit, deadline, workers)
+        second = []
+        for (j, sense), value in zip(first, values, strict=True):
+            stats.solves += 1
+            if value is not None:
+                _tighten(low, high, j, sense, value, stats)
+            if low[j] < 0 < high[j]:
+                second.append((j, -sense))
+        second = [job for job in second if job[1] < 0] + [job for job in second if job[1] > 0]
+        for (j, sense), value in zip(
+            second, _solve_parallel(program, second, time_limit, deadline, workers), strict=True
+        ):
+            stats.solves += 1
+            if value is not None:
+                _tighten(low, high, j, sense, value, stats)
+        stats.stabilised += int(((low >= 0) | (high <= 0))[unstable].sum())
+        low, high = round_outwards(low, high, current.lower.dtype)
+        bounds[layer] = Interval(low.view(current.lower.shape), high.view(current.lower.shape))
+        stats.layers.append(layer)
+    stats.seconds = time.monotonic() - start
+    return bounds, stats
+
+
+def _tighten(low: Tensor, high: Tensor, j: int, sense: int, value: float, stats: RefineStats) -> None:
+    if sense < 0 and value > low[j]:
+        low[j] = min(value, float(high[j]))
+        stats.tightened += 1
+    elif sense > 0 and value < high[j]:
+        high[j] = max(value, float(low[j]))
+        stats.tightened += 1
