@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         "--summarise", nargs="+", type=Path, metavar="RESULTS", help="print the tables of earlier --results files"
     )
     parser.add_argument("--limit", type=int, help="with --instances: only the first N instances")
+    parser.add_argument(
+        "--by",
+        choices=["network", "property"],
+        default="network",
+        help="with --instances/--summarise: one table row per network (default) or per VNN-LIB property",
+    )
     parser.add_argument("--networks", nargs="+", help="with --instances: only the rows of these ONNX file names")
     parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
     parser.add_argument(
@@ -180,7 +186,7 @@ def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
         _print_row(row)
         if args.results:
             write_results(args.results, rows)
-    return _tables(rows, expected_path)
+    return _tables(rows, expected_path, args.by)
 
 
 def _run_parallel(args: argparse.Namespace, config: VerifyConfig, instances: list[Instance]) -> list[dict] | None:
@@ -264,20 +270,20 @@ def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
         _print_row(row)
     if args.results:
         write_results(args.results, rows)
-    return _tables(rows, expected_path)
+    return _tables(rows, expected_path, args.by)
 
 
-def _tables(rows: list, expected_path: Path) -> int:
+def _tables(rows: list, expected_path: Path, by: str = "network") -> int:
     """Print our table, and α,β-CROWN's next to ours on the instances it has a published result for."""
-    print(summarise(rows))
+    print(summarise(rows, by))
     reference = reference_results(expected_path, rows) if expected_path.is_file() else []
     if reference:
         published = {(r.onnx, r.vnnlib) for r in reference}
         print(
             f"\non the {len(reference)} instances with a published α,β-CROWN result (its times include ~7 s start-up):"
         )
-        print("ours\n" + summarise([r for r in rows if (r.onnx, r.vnnlib) in published]))
-        print("α,β-CROWN (VNN-COMP 2022)\n" + summarise(reference))
+        print("ours\n" + summarise([r for r in rows if (r.onnx, r.vnnlib) in published], by))
+        print("α,β-CROWN (VNN-COMP 2022)\n" + summarise(reference, by))
     return 1 if any(row.wrong for row in rows) else 0
 
 
@@ -299,7 +305,7 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
     args = parser.parse_args(argv)
     if args.summarise:
         rows = [row for path in args.summarise for row in read_results(path)]
-        return _tables(rows, args.expected or Path(args.summarise[0]).parent / "expected_verdicts.csv")
+        return _tables(rows, args.expected or Path(args.summarise[0]).parent / "expected_verdicts.csv", args.by)
     if args.instances is None and (args.onnx is None or args.vnnlib is None):
         parser.error("give ONNX and VNNLIB, or --instances CSV")
     if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):

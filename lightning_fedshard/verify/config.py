@@ -93,10 +93,11 @@ class VerifyConfig:
     #: What branch-and-bound splits (see :class:`BabMode`).
     bab: BabMode = BabMode.AUTO
     #: LP/MILP refinement of the intermediate bounds before ReLU branch-and-bound (see :class:`Refine`): at most
-    #: this fraction of the timeout, each solve capped at ``refine_solve_limit`` seconds, spread over
-    #: ``refine_workers`` processes (one run per core: 1).
+    #: ``refine_budget`` of the timeout, of which one layer may take ``refine_layer_share``, each solve capped at
+    #: ``refine_solve_limit`` seconds, spread over ``refine_workers`` processes (one run per core: 1).
     refine: Refine = Refine.AUTO
     refine_budget: float = 0.5
+    refine_layer_share: float = 1.0
     refine_solve_limit: float = 2.0
     refine_workers: int = 1
     #: ``auto`` splits the input of networks with at most this many (non-degenerate) input dimensions.
@@ -132,6 +133,7 @@ class VerifyConfig:
             "beta_lr_beta",
             "attack_budget",
             "refine_budget",
+            "refine_layer_share",
             "refine_solve_limit",
         ):
             if getattr(self, name) <= 0:

@@ -167,24 +167,29 @@ def read_results(path: str | Path) -> list[InstanceResult]:
         ]
 
 
-def summarise(rows: list[InstanceResult]) -> str:
-    """Per network: verified, falsified, unknown, timeouts, errors, wrong answers, median time; then the score."""
+def summarise(rows: list[InstanceResult], by: str = "network") -> str:
+    """Per network (``by="property"``: per VNN-LIB file): verified, falsified, unknown, timeouts, errors, wrong
+    answers, the median time over all instances and over the decided ones; then the score."""
+    if by not in ("network", "property"):
+        raise ValueError(f"by must be 'network' or 'property', got {by!r}")
     lines = [
         (
-            f"{'network':<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
-            f"{'wrong':>5} {'median s':>8} {'score':>6}"
+            f"{by:<24} {'n':>3} {'verified':>8} {'falsified':>9} {'unknown':>7} {'timeout':>7} {'error':>5} "
+            f"{'wrong':>5} {'median s':>8} {'decided':>7} {'score':>6}"
         )
     ]
     groups: dict[str, list[InstanceResult]] = {}
     for row in rows:
-        groups.setdefault(row.onnx, []).append(row)
+        groups.setdefault(row.onnx if by == "network" else row.vnnlib, []).append(row)
     for name, group in [*groups.items(), ("total", rows)]:
         count = {v: sum(r.verdict == v for r in group) for v in ("unsat", "sat", "unknown", "timeout", "error")}
         median = statistics.median(r.time_s for r in group) if group else 0.0
+        decided = [r.time_s for r in group if r.verdict in ("sat", "unsat")]
+        median_decided = statistics.median(decided) if decided else 0.0
         lines.append(
             f"{name:<24} {len(group):>3} {count['unsat']:>8} {count['sat']:>9} {count['unknown']:>7} "
             f"{count['timeout']:>7} {count['error']:>5} {sum(r.wrong for r in group):>5} {median:>8.2f} "
-            f"{sum(r.score for r in group):>6}"
+            f"{median_decided:>7.2f} {sum(r.score for r in group):>6}"
         )
     return "\n".join(lines)
 

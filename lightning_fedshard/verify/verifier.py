@@ -203,6 +203,7 @@ def _refine(
         time_limit=config.refine_solve_limit,
         workers=config.refine_workers,
         order=gap,
+        layer_budget=config.refine_layer_share * config.refine_budget * config.timeout,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bab import input_split as split_module
+from lightning_fedshard.verify.bab import pieces as pieces_module
 from lightning_fedshard.verify.config import BabMode, InputBranching
 from lightning_fedshard.verify.ops import Linear, ReLU
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
@@ -109,7 +110,7 @@ def test_pieces_with_fixed_phases_are_bounded_soundly(monkeypatch):
     prop, threshold = _property(graph, 2, safe=True, margin=0.005)
     gen = torch.Generator().manual_seed(0)
     pieces_checked = []
-    beta_crown = split_module.beta_crown
+    beta_crown = pieces_module.beta_crown
 
     def checked(graph, box, C, domains, *args, **kwargs):
         splits = {pre: value.clone() for pre, value in domains.splits.items()}
@@ -127,7 +128,7 @@ def test_pieces_with_fixed_phases_are_bounded_soundly(monkeypatch):
         pieces_checked.append(n)
         return result
 
-    monkeypatch.setattr(split_module, "beta_crown", checked)
+    monkeypatch.setattr(pieces_module, "beta_crown", checked)
     result = verify(graph, prop, VerifyConfig(timeout=60, bab=BabMode.INPUT, attack_restarts=0))
     assert pieces_checked, "no box was tried piece by piece"
     assert result.verdict in (Verdict.UNSAT, Verdict.SAT)

@@ -214,7 +214,8 @@ def test_cli_instances_scores_a_benchmark(tmp_path, capsys):
     # The tables can be printed again from the results file alone.
     assert verify_main(["--summarise", str(results), "--expected", str(MNIST / "expected_verdicts.csv")]) == 0
     again = capsys.readouterr().out
-    assert again.splitlines()[-1].split() == ["total", "2", "1", "1", "0", "0", "0", "0", again.split()[-2], "20"]
+    total = again.splitlines()[-1].split()
+    assert total[:8] == ["total", "2", "1", "1", "0", "0", "0", "0"] and total[-1] == "20"
 
 
 def test_bad_files_give_clear_errors(tmp_path, capsys):

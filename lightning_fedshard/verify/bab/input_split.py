@@ -10,13 +10,15 @@ search, not as wide), bounds them together with CROWN (its intermediate passes s
   turn up where the bounds say they might be; every few rounds PGD starts in the worst boxes too;
 * shrinks it to the part where the linear bounds allow a counterexample ("clip": every row's lower plane must be
   ``≤ rhs`` there, which confines each coordinate in closed form), dropping it if nothing is left;
+* if it has few unstable ReLUs, sets it aside to be tried piece by piece (:mod:`.pieces`) with others like it;
+  a box a piece of which stays open is split like the rest;
 * bisects it along the dimensions its branching rule ranks first, several at once while the batch has room
   (2^k children).
 
 Which dimension to split decides the size of the search by orders of magnitude, and no rule is best everywhere
-(measured on ACAS Xu, docs/benchmarks.md), so several searches with different rules (:class:`InputBranching`) run
-side by side, one round each in turn, and the first to finish decides: the cost is at most their number times the
-best one's.
+(measured on ACAS Xu, docs/verification.md), so several searches with different rules
+(:class:`~lightning_fedshard.verify.config.InputBranching`) run side by side, one round each in turn, and the first
+to finish decides: the cost is at most their number times the best one's.
 
 A box whose every dimension is narrower than the float tolerance and still not decided is *stuck*: the answer
 can then no longer be ``unsat``.
@@ -31,16 +33,19 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.attack import pgd_attack
-from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bab.loop import BabOutcome
-from lightning_fedshard.verify.bounds.alpha import initial_alphas
-from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.bab.pieces import (
+    PIECES_MAX_UNSTABLE,
+    counterexample_among,
+    prove_by_pieces,
+    unstable_count,
+)
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds
 from lightning_fedshard.verify.bounds.forward import forward_bounds
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, round_outwards
-from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import past
 
 __all__ = ["input_split"]
@@ -53,12 +58,9 @@ _MIN_RELATIVE_WIDTH = 1e-7
 _CLIP_SLACK = 1e-5
 #: PGD inside the search: the worst boxes attacked, and the steps each.
 _ATTACK_BOXES, _ATTACK_STEPS = 16, 20
-#: Boxes with at most this many unstable ReLUs are tried by fixing every combination of their phases (2^u pieces),
-#: with this long a β-CROWN optimisation: where the property is tight along a ReLU's boundary, no axis-aligned box
-#: straddling it is ever proven, but the two pieces on either side are.
-_PHASE_SPLIT_MAX_UNSTABLE = 4
-_PHASE_BATCH = 256
-_PHASE_ROUNDS, _PHASE_ITERATIONS, _PHASE_LR = 5, 10, (0.01, 0.05)
+#: Boxes with few unstable ReLUs wait for a batch of this many before they are tried piece by piece (one β-CROWN
+#: optimisation costs about the same for one box as for hundreds).
+_PIECES_BATCH = 256
 
 
 @dataclass
@@ -110,63 +112,6 @@ def _bound(graph: BoundGraph, spec: OutputSpec, boxes: Interval) -> tuple[Backwa
     """CROWN over the spec rows, and the intermediate bounds it used."""
     bounds = intermediate_bounds(graph, boxes, forward=True)
     return backward_bound(graph, graph.output.name, spec.rows(boxes.lower.shape[0]), boxes, bounds), bounds
-
-
-def _unstable(graph: BoundGraph, bounds: dict[str, Interval]) -> Tensor:
-    """Unstable ReLUs per box ``[N]``."""
-    return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
-
-
-def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -> tuple[DomainBatch, Tensor]:
-    """Every combination of phases of the domains' unstable ReLUs, as domains (``owner``: their box)."""
-    pres = list(graph.pre_activation.values())
-    finished, owners = [], []
-    while len(domains):
-        layer = torch.full((len(domains),), -1, dtype=torch.long)
-        neuron = torch.zeros(len(domains), dtype=torch.long)
-        for index, pre in enumerate(pres):
-            bounds = Interval(domains.lower[pre], domains.upper[pre])
-            free = ReLU.unstable(bounds).flatten(1) & (domains.splits[pre].flatten(1) == 0)
-            first = free.any(1) & (layer < 0)
-            layer = torch.where(first, index, layer)
-            neuron = torch.where(first, free.to(torch.int8).argmax(1), neuron)
-        split = layer >= 0
-        finished.append(domains.take((~split).nonzero().flatten()))
-        owners.append(owner[~split])
-        chosen = split.nonzero().flatten()
-        domains = domains.take(chosen).split(pres, layer[chosen], neuron[chosen])
-        owner = owner[chosen].repeat(2)
-    return DomainBatch.cat(finished), torch.cat(owners)
-
-
-def _close_by_phases(
-    graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, bounds: dict[str, Interval], out: Backward
-) -> tuple[Tensor, Tensor | None]:
-    """Try to prove boxes with few unstable ReLUs by fixing every combination of their phases: on each piece the
-    network is linear, and β-CROWN's bound approaches its exact minimum there. Returns which boxes are proven and a
-    counterexample, if a piece's minimising corner is one."""
-    n = len(boxes)
-    alphas = initial_alphas(graph, graph.output.name, spec.num_rows, bounds)
-    domains = DomainBatch.unsplit(graph, spec, bounds, alphas, out.lower)
-    domains, owner = _split_every_phase(graph, domains, torch.arange(n))
-    # β-CROWN in rounds, dropping the pieces proven so far: most are proven in a few iterations, a few need many.
-    pieces = boxes.take(owner)
-    cex = None
-    for _ in range(_PHASE_ROUNDS):
-        interval = pieces.interval(graph.input.shape)
-        stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
-        rows = spec.rows(len(domains))
-        result = beta_crown(graph, interval, rows, domains, _PHASE_ITERATIONS, *_PHASE_LR, stop_above=stop)
-        domains.margins = torch.maximum(result.lower.T - spec.rhs, domains.margins)
-        open_ = (spec.value(domains.margins) <= 0).nonzero().flatten()
-        corners = result.minimiser(interval)[:, open_].flatten(0, 1)
-        cex = _counterexample(graph, spec, corners) if corners.numel() else None
-        domains, pieces, owner = domains.take(open_), pieces.take(open_), owner[open_]
-        if not len(domains) or cex is not None:
-            break
-    proven = torch.ones(n, dtype=torch.bool)
-    proven[owner] = False
-    return proven, cex
 
 
 def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
@@ -232,12 +177,6 @@ def _split(boxes: _Boxes, dims: Tensor) -> _Boxes:
     return _Boxes(lower, upper, boxes.depth.repeat(children) + k)
 
 
-def _counterexample(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> Tensor | None:
-    value = spec.point_value(graph(points))
-    hit = (value <= 0).nonzero()
-    return points[hit[0, 0]] if hit.numel() else None
-
-
 class _Search:
     """One search over sub-boxes of the root with its own branching rule: the open boxes, and those with few
     unstable ReLUs waiting to be tried piece by piece (in batches: one β-CROWN optimisation costs about the same
@@ -279,14 +218,14 @@ def input_split(
             return outcome(Verdict.TIMEOUT)
         if len(search) > config.max_input_domains:
             return outcome(Verdict.UNKNOWN)
-        by_phases = len(search.phases) >= _PHASE_BATCH or not len(search.stack)
-        boxes = (search.phases if by_phases else search.stack).pop(_PHASE_BATCH if by_phases else batch)
+        by_phases = len(search.phases) >= _PIECES_BATCH or not len(search.stack)
+        boxes = (search.phases if by_phases else search.stack).pop(_PIECES_BATCH if by_phases else batch)
         interval = boxes.interval(shape)
         with torch.no_grad():
             out, bounds = _bound(graph, spec, interval)
             margins = out.lower.T - spec.rhs  # [N, S]
             corners = out.minimiser(interval).flatten(0, 1)
-            cex = _counterexample(graph, spec, torch.cat([interval.center, corners]))
+            cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
         bounded += len(boxes)
         max_depth = max(max_depth, int(boxes.depth.max()))
         search.rounds += 1
@@ -300,7 +239,7 @@ def input_split(
             if by_phases:
                 cex = _try_phases(graph, spec, boxes, out, bounds, open_)
             else:
-                few = open_ & (_unstable(graph, bounds) <= _PHASE_SPLIT_MAX_UNSTABLE)
+                few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE)
                 search.phases.push(boxes.take(few))
                 open_ &= ~few
             if cex is not None:
@@ -316,12 +255,14 @@ def _try_phases(
 ) -> Tensor | None:
     """The open boxes with few unstable ReLUs tried piece by piece; the proven ones are marked closed in ``open_``
     (the others go on to be split). Returns a counterexample if a piece's minimising corner is one."""
-    few = open_ & (_unstable(graph, bounds) <= _PHASE_SPLIT_MAX_UNSTABLE)
+    few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE)
     if not few.any():
         return None
     index = few.nonzero().flatten()
-    pieces = {name: Interval(b.lower[index], b.upper[index]) for name, b in bounds.items()}
-    proven, cex = _close_by_phases(graph, spec, boxes.take(index), pieces, Backward(out.lower[:, index], None))
+    chosen = {name: Interval(b.lower[index], b.upper[index]) for name, b in bounds.items()}
+    proven, cex = prove_by_pieces(
+        graph, spec, boxes.take(index).interval(graph.input.shape), chosen, out.lower[:, index]
+    )
     open_[index[proven]] = False
     return cex
 

@@ -274,33 +274,35 @@ class RefineStats:
 def _solve_many(
     program: NetworkProgram, jobs: Sequence[tuple[int, int]], time_limit: float, deadline: float
 ) -> list[float | None]:
-    """Bounds for ``(neuron, sense)`` jobs in order on one solver, stopping at the deadline."""
+    """Bounds for ``(neuron, sense)`` jobs in order on one solver; the jobs past the deadline are not run (and
+    left out of the list)."""
     h = program.highs()
     results: list[float | None] = []
     for neuron, sense in jobs:
         left = deadline - time.monotonic()
         if left <= 0:
-            results.append(None)
-            continue
+            break
         results.append(program.solve(h, neuron, sense, min(time_limit, left)))
     return results
 
 
+#: What the fork workers of one :func:`_solve_parallel` call read (a HiGHS model cannot be pickled; each worker
+#: builds its own from the program it inherits).
 _SHARED: dict = {}
 
 
 def _worker(args: tuple[int, float, float]) -> list[float | None]:
     part, time_limit, deadline = args
-    program, jobs = _SHARED["program"], _SHARED["parts"][part]
-    return _solve_many(program, jobs, time_limit, deadline)
+    return _solve_many(_SHARED["program"], _SHARED["parts"][part], time_limit, deadline)
 
 
 def _solve_parallel(
     program: NetworkProgram, jobs: list[tuple[int, int]], time_limit: float, deadline: float, workers: int
-) -> list[float | None]:
+) -> list[tuple[tuple[int, int], float | None]]:
+    """The jobs that were run, with their bounds (``None``: the solver gave none)."""
     if workers <= 1 or len(jobs) < 2 * workers or os.name != "posix":
-        return _solve_many(program, jobs, time_limit, deadline)
-    # Same-sense sweeps per worker: worker w takes every w-th job of the (all-minimise, then all-maximise) list.
+        return list(zip(jobs, _solve_many(program, jobs, time_limit, deadline), strict=False))
+    # Worker w takes every w-th job: each part keeps the list's order (minimisations, then maximisations).
     parts = [jobs[w::workers] for w in range(workers)]
     _SHARED.update(program=program, parts=parts)
     try:
@@ -308,10 +310,7 @@ def _solve_parallel(
             done = pool.map(_worker, [(w, time_limit, deadline) for w in range(workers)])
     finally:
         _SHARED.clear()
-    results: list[float | None] = [None] * len(jobs)
-    for w, values in enumerate(done):
-        results[w::workers] = values
-    return results
+    return [pair for part, values in zip(parts, done, strict=True) for pair in zip(part, values, strict=False)]
 
 
 def refine_bounds(
@@ -324,12 +323,14 @@ def refine_bounds(
     time_limit: float = 10.0,
     workers: int = 1,
     order: dict[str, Tensor] | None = None,
+    layer_budget: float = float("inf"),
 ) -> tuple[dict[str, Interval], RefineStats]:
     """``bounds`` (batch 1) with the unstable neurons of the pre-activation nodes ``layers`` tightened, in the order
     given, each layer's program built over the bounds refined before it: an LP (``integer="none"``), or a MILP with
     binaries for the ReLU layer just before it (``"last"``) or for every ReLU before it (``"all"``).
 
-    ``time_limit`` caps one solve; at ``deadline`` the remaining solves are skipped. ``order[layer]``, where given,
+    ``time_limit`` caps one solve and ``layer_budget`` the seconds of one layer; at ``deadline`` the remaining solves
+    are skipped. ``order[layer]``, where given,
     ranks that layer's neurons (higher first): with a deadline the best-ranked ones are refined first. The side of
     a neuron nearer to zero is solved first, and the other skipped once the neuron is found stable (α,β-CROWN does
     the same).
@@ -341,6 +342,7 @@ def refine_bounds(
     for layer in layers:
         if time.monotonic() >= deadline:
             break
+        until = min(deadline, time.monotonic() + layer_budget)
         current = bounds[layer]
         low, high = current.lower.flatten().double().clone(), current.upper.flatten().double().clone()
         unstable = ((low < 0) & (high > 0)).nonzero().flatten()
@@ -354,18 +356,15 @@ def refine_bounds(
         # First the sides nearer to zero (they decide whether a neuron is stable), as same-sense sweeps.
         near = [(int(j), -1 if -low[j] < high[j] else 1) for j in unstable]
         first = [job for job in near if job[1] < 0] + [job for job in near if job[1] > 0]
-        values = _solve_parallel(program, first, time_limit, deadline, workers)
         second = []
-        for (j, sense), value in zip(first, values, strict=True):
+        for (j, sense), value in _solve_parallel(program, first, time_limit, until, workers):
             stats.solves += 1
             if value is not None:
                 _tighten(low, high, j, sense, value, stats)
             if low[j] < 0 < high[j]:
                 second.append((j, -sense))
         second = [job for job in second if job[1] < 0] + [job for job in second if job[1] > 0]
-        for (j, sense), value in zip(
-            second, _solve_parallel(program, second, time_limit, deadline, workers), strict=True
-        ):
+        for (j, sense), value in _solve_parallel(program, second, time_limit, until, workers):
             stats.solves += 1
             if value is not None:
                 _tighten(low, high, j, sense, value, stats)

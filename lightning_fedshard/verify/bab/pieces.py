@@ -1,0 +1,94 @@
+"""Proving a box with few unstable ReLUs piece by piece: every combination of their phases is a piece on which
+the network is linear.
+
+Input splitting cannot prove a box whose property is tight along a ReLU's boundary: the boundary is a hyperplane,
+and every axis-aligned box across it keeps the neuron unstable, its relaxation loose by about the margin. Fixing the
+phase of each unstable ReLU instead (``s_j z_j ≥ 0``, for both signs ``s_j``) gives ``2^u`` pieces of the box; on
+each the network is linear, and β-CROWN — the split constraints enforced by Lagrange multipliers — approaches the
+exact minimum over the piece (+∞ on a piece whose phases contradict each other). The pieces are bounded together,
+in rounds of a few iterations that drop the pieces proven so far (most are proven at once, a few need many).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.bab.domains import DomainBatch
+from lightning_fedshard.verify.bounds.alpha import initial_alphas
+from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.graph import BoundGraph
+from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.ops import Interval, ReLU
+
+__all__ = ["PIECES_MAX_UNSTABLE", "counterexample_among", "prove_by_pieces", "unstable_count"]
+
+#: Boxes with at most this many unstable ReLUs are tried piece by piece (2^u pieces each).
+PIECES_MAX_UNSTABLE = 4
+#: β-CROWN over the pieces: rounds, iterations per round, learning rates of α and β.
+_ROUNDS, _ITERATIONS, _LR = 5, 10, (0.01, 0.05)
+
+
+def unstable_count(graph: BoundGraph, bounds: dict[str, Interval]) -> Tensor:
+    """Unstable ReLUs per box ``[N]`` under the pre-activation ``bounds [N, *shape]``."""
+    return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
+
+
+def counterexample_among(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> Tensor | None:
+    """The first of ``points [P, *input shape]`` that the network maps into the unsafe set, or ``None``."""
+    value = spec.point_value(graph(points))
+    hit = (value <= 0).nonzero()
+    return points[hit[0, 0]] if hit.numel() else None
+
+
+def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -> tuple[DomainBatch, Tensor]:
+    """Every combination of phases of the domains' unstable ReLUs, as domains (``owner``: their box)."""
+    pres = list(graph.pre_activation.values())
+    finished, owners = [], []
+    while len(domains):
+        layer = torch.full((len(domains),), -1, dtype=torch.long)
+        neuron = torch.zeros(len(domains), dtype=torch.long)
+        for index, pre in enumerate(pres):
+            bounds = Interval(domains.lower[pre], domains.upper[pre])
+            free = ReLU.unstable(bounds).flatten(1) & (domains.splits[pre].flatten(1) == 0)
+            first = free.any(1) & (layer < 0)
+            layer = torch.where(first, index, layer)
+            neuron = torch.where(first, free.to(torch.int8).argmax(1), neuron)
+        split = layer >= 0
+        finished.append(domains.take((~split).nonzero().flatten()))
+        owners.append(owner[~split])
+        chosen = split.nonzero().flatten()
+        domains = domains.take(chosen).split(pres, layer[chosen], neuron[chosen])
+        owner = owner[chosen].repeat(2)
+    return DomainBatch.cat(finished), torch.cat(owners)
+
+
+def prove_by_pieces(
+    graph: BoundGraph, spec: OutputSpec, boxes: Interval, bounds: dict[str, Interval], lower: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Which of the ``boxes [N, *input shape]`` (with pre-activation ``bounds`` and spec row bounds ``lower [S, N]``)
+    every piece proves, and a counterexample if a piece's minimising corner is one.
+
+    Example::
+
+        proven, cex = prove_by_pieces(graph, spec.only(d), boxes, bounds, crown.lower)
+    """
+    n = boxes.lower.shape[0]
+    alphas = initial_alphas(graph, graph.output.name, spec.num_rows, bounds)
+    domains = DomainBatch.unsplit(graph, spec, bounds, alphas, lower)
+    domains, owner = _split_every_phase(graph, domains, torch.arange(n))
+    cex = None
+    for _ in range(_ROUNDS):
+        pieces = Interval(boxes.lower[owner], boxes.upper[owner])
+        stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
+        result = beta_crown(graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop)
+        domains.margins = torch.maximum(result.lower.T - spec.rhs, domains.margins)
+        open_ = (spec.value(domains.margins) <= 0).nonzero().flatten()
+        corners = result.minimiser(pieces)[:, open_].flatten(0, 1)
+        cex = counterexample_among(graph, spec, corners) if corners.numel() else None
+        domains, owner = domains.take(open_), owner[open_]
+        if not len(domains) or cex is not None:
+            break
+    proven = torch.ones(n, dtype=torch.bool)
+    proven[owner] = False
+    return proven, cex
