@@ -18,14 +18,14 @@ from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
-from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower, unstable_count
 from lightning_fedshard.verify.bounds.lp import RefineStats, refine_bounds, supports_programs
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
 from lightning_fedshard.verify.onnx_loader import UnsupportedModelError, load_onnx, onnx_source
-from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, lockstep, past
 from lightning_fedshard.verify.shard.plan import ShardPlan
 from lightning_fedshard.verify.spec import Case, Counterexample, Property, check_counterexample, read_vnnlib
@@ -159,10 +159,6 @@ class _CaseAnswer:
     refine: RefineStats | None = None
 
 
-def _unstable_count(graph: BoundGraph, bounds: dict[str, Interval]) -> int:
-    return sum(int(ReLU.unstable(bounds[pre]).sum()) for pre in graph.pre_activation.values() if pre in bounds)
-
-
 def _free_dims(box: Interval) -> int:
     return int((box.upper > box.lower).sum())
 
@@ -241,8 +237,9 @@ def _verify_case(
     def proven(margins: torch.Tensor) -> bool:
         return bool(spec.value(margins.view(1, -1)) > 0)
 
-    def undecided(margins: torch.Tensor, bab_mode: BabMode | None = None) -> _CaseAnswer:
-        return _CaseAnswer(Verdict.TIMEOUT if run.expired else Verdict.UNKNOWN, None, None, margins.tolist(), bab_mode)
+    def undecided(margins: torch.Tensor, refine: RefineStats | None = None) -> _CaseAnswer:
+        verdict = Verdict.TIMEOUT if run.expired else Verdict.UNKNOWN
+        return _CaseAnswer(verdict, None, None, margins.tolist(), refine=refine)
 
     with torch.no_grad():
         margins = run.timed("ibp", _ibp_margins, graph, spec, box)
@@ -266,7 +263,7 @@ def _verify_case(
     if config.method is Method.CROWN or run.expired:
         return undecided(margins)
 
-    bab_mode = _bab_mode(config, box, _unstable_count(graph, root_bounds))
+    bab_mode = _bab_mode(config, box, int(unstable_count(graph, root_bounds).sum()))
 
     def alpha(reference: dict[str, Interval] | None = None) -> AlphaResult:
         return run.timed(
@@ -302,7 +299,7 @@ def _verify_case(
         if proven(margins):
             return _CaseAnswer(Verdict.UNSAT, None, how.value, margins.tolist(), refine=refine_stats)
         if run.expired:
-            return undecided(margins)
+            return undecided(margins, refine_stats)
 
     # Each disjunct not ruled out at the root gets its own search (α,β-CROWN does the same per target label): the
     # branching then serves one objective, and the rows already proven cost nothing more.

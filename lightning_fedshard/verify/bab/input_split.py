@@ -34,13 +34,8 @@ from torch import Tensor
 
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.loop import BabOutcome
-from lightning_fedshard.verify.bab.pieces import (
-    PIECES_MAX_UNSTABLE,
-    counterexample_among,
-    prove_by_pieces,
-    unstable_count,
-)
-from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds
+from lightning_fedshard.verify.bab.pieces import PIECES_MAX_UNSTABLE, counterexample_among, prove_by_pieces
+from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
 from lightning_fedshard.verify.bounds.forward import forward_bounds
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph

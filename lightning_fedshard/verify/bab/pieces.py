@@ -21,17 +21,12 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Interval, ReLU
 
-__all__ = ["PIECES_MAX_UNSTABLE", "counterexample_among", "prove_by_pieces", "unstable_count"]
+__all__ = ["PIECES_MAX_UNSTABLE", "counterexample_among", "prove_by_pieces"]
 
 #: Boxes with at most this many unstable ReLUs are tried piece by piece (2^u pieces each).
 PIECES_MAX_UNSTABLE = 4
 #: β-CROWN over the pieces: rounds, iterations per round, learning rates of α and β.
 _ROUNDS, _ITERATIONS, _LR = 5, 10, (0.01, 0.05)
-
-
-def unstable_count(graph: BoundGraph, bounds: dict[str, Interval]) -> Tensor:
-    """Unstable ReLUs per box ``[N]`` under the pre-activation ``bounds [N, *shape]``."""
-    return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
 
 
 def counterexample_among(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> Tensor | None:

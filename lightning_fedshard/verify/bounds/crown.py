@@ -22,7 +22,15 @@ from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contr
 from lightning_fedshard.verify.shard.lockstep import check_deadline
 from lightning_fedshard.verify.shard.rows import RowPartition
 
-__all__ = ["Backward", "backward_bound", "intermediate_bounds", "selection_rows", "spec_lower", "unstable_neurons"]
+__all__ = [
+    "Backward",
+    "backward_bound",
+    "intermediate_bounds",
+    "selection_rows",
+    "spec_lower",
+    "unstable_count",
+    "unstable_neurons",
+]
 
 
 @dataclass
@@ -123,6 +131,11 @@ def spec_lower(
         return backward_bound(graph, graph.output.name, C, box, bounds, alphas).lower
     local = backward_bound(graph, graph.output.name, partition.chunk(C), box, bounds, alphas).lower
     return partition.gather(local, C.shape[0])
+
+
+def unstable_count(graph: BoundGraph, bounds: Mapping[str, Interval]) -> Tensor:
+    """Unstable ReLUs per batch element ``[B]`` under the pre-activation ``bounds [B, *shape]``."""
+    return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
 
 
 def unstable_neurons(pre: Interval) -> Tensor:
