@@ -3,6 +3,7 @@ conv ResNet with BatchNorm and a residual add."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -71,3 +72,18 @@ def resnet(input_shape: tuple[int, int, int] = (3, 16, 16), width: int = 8, seed
     b.flatten("flat")
     b.linear("fc1", 32), b.add("fc1_relu", ReLU()), b.linear("fc2", 10)
     return b.graph()
+
+
+def random_mlp(seed: int, widths: tuple[int, ...]) -> BoundGraph:
+    """``fc0 → relu0 → … → fc{L-1}`` with the given widths (input first), Gaussian weights scaled by
+    ``1/√fan_in`` and biases of scale 0.3; nodes named ``x``, ``fc{i}``, ``relu{i}``."""
+    gen = torch.Generator().manual_seed(seed)
+    nodes, previous = [Node("x", None, (), (widths[0],))], "x"
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+        weight = torch.randn(fan_out, fan_in, generator=gen) / fan_in**0.5
+        nodes.append(Node(f"fc{i}", Linear(weight, torch.randn(fan_out, generator=gen) * 0.3), (previous,), (fan_out,)))
+        previous = f"fc{i}"
+        if i < len(widths) - 2:
+            nodes.append(Node(f"relu{i}", ReLU(), (previous,), (fan_out,)))
+            previous = f"relu{i}"
+    return BoundGraph(nodes)

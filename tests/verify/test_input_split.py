@@ -3,32 +3,20 @@ soundness of every sub-box bound met during a search; clipping and splitting aga
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 
-from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
+from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bab import input_split as split_module
 from lightning_fedshard.verify.bab import pieces as pieces_module
 from lightning_fedshard.verify.config import BabMode, InputBranching
-from lightning_fedshard.verify.ops import Linear, ReLU
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
+from tests.verify.nets import random_mlp
 
 
 def _random_net(seed: int, inputs: int, hidden: int = 16, depth: int = 3) -> BoundGraph:
-    gen = torch.Generator().manual_seed(seed)
-    widths = (inputs, *([hidden] * depth), 2)
-    nodes, previous = [Node("x", None, (), (inputs,))], "x"
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
-        weight = torch.randn(fan_out, fan_in, generator=gen) / fan_in**0.5
-        nodes.append(Node(f"fc{i}", Linear(weight, torch.randn(fan_out, generator=gen) * 0.3), (previous,), (fan_out,)))
-        previous = f"fc{i}"
-        if i < len(widths) - 2:
-            nodes.append(Node(f"relu{i}", ReLU(), (previous,), (fan_out,)))
-            previous = f"relu{i}"
-    return BoundGraph(nodes)
+    return random_mlp(seed, (inputs, *([hidden] * depth), 2))
 
 
 def _grid(inputs: int) -> torch.Tensor:

@@ -12,25 +12,17 @@ import pytest
 import torch
 from scipy.optimize import linprog
 
-from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
+from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bounds import lp
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds
 from lightning_fedshard.verify.config import BabMode, Refine
-from lightning_fedshard.verify.ops import Interval, Linear, ReLU
+from lightning_fedshard.verify.ops import Interval, Linear
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
+from tests.verify.nets import random_mlp
 
 
 def _net(seed: int, widths=(3, 8, 8, 6, 2)) -> BoundGraph:
-    gen = torch.Generator().manual_seed(seed)
-    nodes, previous = [Node("x", None, (), (widths[0],))], "x"
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
-        weight = torch.randn(fan_out, fan_in, generator=gen) / fan_in**0.5
-        nodes.append(Node(f"fc{i}", Linear(weight, torch.randn(fan_out, generator=gen) * 0.3), (previous,), (fan_out,)))
-        previous = f"fc{i}"
-        if i < len(widths) - 2:
-            nodes.append(Node(f"relu{i}", ReLU(), (previous,), (fan_out,)))
-            previous = f"relu{i}"
-    return BoundGraph(nodes)
+    return random_mlp(seed, widths)
 
 
 BOX = Interval(-torch.ones(1, 3), torch.ones(1, 3))

@@ -4,7 +4,6 @@ against exhaustive sampling (BaB must never prove what a sample refutes)."""
 from __future__ import annotations
 
 import csv
-import itertools
 import json
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from lightning_fedshard.cli import main as fedshard_main
 from lightning_fedshard.verify import (
     BoundGraph,
     Method,
-    Node,
     Verdict,
     VerifyConfig,
     check_counterexample,
@@ -26,9 +24,9 @@ from lightning_fedshard.verify import (
 )
 from lightning_fedshard.verify.cli import main as verify_main
 from lightning_fedshard.verify.instances import read_instances, run_instance, summarise
-from lightning_fedshard.verify.ops import Linear, ReLU
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
 from lightning_fedshard.verify.verifier import model_forward
+from tests.verify.nets import random_mlp
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
 needs_mnist = pytest.mark.skipif(not MNIST.is_dir(), reason="../shared/vnncomp/mnist_fc_2022 is absent")
@@ -102,22 +100,7 @@ def test_a_short_timeout_answers_timeout_not_unsat():
 
 
 def _random_net(seed: int, widths=(2, 12, 12, 2)) -> BoundGraph:
-    torch.manual_seed(seed)
-    nodes, previous = [Node("x", None, (), (widths[0],))], "x"
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
-        nodes.append(
-            Node(
-                f"fc{i}",
-                Linear(torch.randn(fan_out, fan_in) / fan_in**0.5, torch.randn(fan_out) * 0.3),
-                (previous,),
-                (fan_out,),
-            )
-        )
-        previous = f"fc{i}"
-        if i < len(widths) - 2:
-            nodes.append(Node(f"relu{i}", ReLU(), (previous,), (fan_out,)))
-            previous = f"relu{i}"
-    return BoundGraph(nodes)
+    return random_mlp(seed, widths)
 
 
 @pytest.mark.parametrize("seed", range(12))
