@@ -103,8 +103,9 @@ def _random_net(seed: int, widths=(2, 12, 12, 2)) -> BoundGraph:
     return random_mlp(seed, widths)
 
 
+@pytest.mark.parametrize("bab", ["relu", "input"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_nets_agree_with_exhaustive_sampling(seed):
+def test_random_nets_agree_with_exhaustive_sampling(seed, bab):
     """y_0 − y_1 ≥ threshold over a 2-D box, with the threshold near the sampled minimum so that both
     verdicts occur; an answer of unsat must survive a dense grid, a sat must carry a real counterexample."""
     graph = _random_net(seed)
@@ -116,7 +117,9 @@ def test_random_nets_agree_with_exhaustive_sampling(seed):
     # unsafe set: y_0 − y_1 ≤ threshold, i.e. [1, −1]·y ≤ threshold
     case = Case(InputBox(-np.ones(2), np.ones(2)), (Disjunct(np.array([[1.0, -1.0]]), np.array([threshold])),))
     prop = Property(2, 2, (case,))
-    result = verify(graph, prop, VerifyConfig(timeout=30, attack_restarts=2, attack_steps=5, batch_size=32))
+    config = VerifyConfig(timeout=30, attack_restarts=2, attack_steps=5, batch_size=32, bab=bab)
+    result = verify(graph, prop, config)
+    assert result.bab_modes in ([], [bab])
     if seed % 2 == 0:
         assert result.verdict is Verdict.SAT
         x = torch.tensor(result.counterexample.x, dtype=torch.float32)
