@@ -254,7 +254,8 @@ def _verify_case(
         bounds = intermediate_bounds(
             graph, box, intersect_ibp=config.intersect_ibp, partition=partition, deadline=run.deadline
         )
-        return spec_lower(graph, spec.rows(1), box, bounds, partition=partition)[:, 0] - spec.rhs, bounds
+        lower = spec_lower(graph, spec.rows(1), box, bounds, partition=partition, deadline=run.deadline)
+        return lower[:, 0] - spec.rhs, bounds
 
     with torch.no_grad():
         margins, root_bounds = run.timed("crown", crown)

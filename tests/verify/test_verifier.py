@@ -277,3 +277,21 @@ def test_malformed_instances_csv(tmp_path):
     bad.write_text("a.onnx,b.vnnlib\n")
     with pytest.raises(ValueError, match="instances.csv:1"):
         read_instances(bad)
+
+
+def test_a_long_crown_pass_stops_at_the_deadline():
+    # A ResNet whose root CROWN takes ~10 s here (one pass alone ~8 s): the deadline is checked between the
+    # operator steps of a pass, so a 2 s budget ends within a step of it, not after the pass.
+    import time
+
+    from lightning_fedshard.verify.spec import local_robustness
+    from tests.verify.nets import resnet
+
+    graph = resnet((3, 32, 32), width=32)
+    x = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    y = graph(x)[0]
+    prop = local_robustness(x.flatten().numpy(), 0.002, int(y.argmax()), y.numel())
+    start = time.monotonic()
+    result = verify(graph, prop, VerifyConfig(timeout=2.0, attack_restarts=5, attack_steps=5))
+    assert result.verdict is Verdict.TIMEOUT
+    assert time.monotonic() - start < 2.0 + 1.5

@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_fedshard.verify.bounds.forward import ForwardPass
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract
-from lightning_fedshard.verify.shard.lockstep import check_deadline
+from lightning_fedshard.verify.shard.lockstep import check_deadline, check_deadline_between_steps
 from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = [
@@ -64,6 +64,7 @@ def backward_bound(
     alphas: Mapping[str, Tensor] | None = None,
     betas: Mapping[str, Tensor] | None = None,
     keep: Collection[str] = (),
+    deadline: float | None = None,
 ) -> Backward:
     """Lower bound of ``Σ C·start`` over ``box``; ``C [S, B, *start shape]`` dense, or :class:`Patches`.
 
@@ -73,7 +74,8 @@ def backward_bound(
     names to lower slopes ``[S, B, *shape]`` (else CROWN's adaptive slopes); ``betas`` maps pre-activation
     names to β-CROWN's signed Lagrangian terms ``β·s`` (``s = +1`` for an active split ``z ≥ 0``, ``-1`` for an
     inactive one), subtracted from the coefficients arriving there (dense passes only). Patches reaching an op
-    without ``accepts_patches`` (Reshape, Linear) are made dense there.
+    without ``accepts_patches`` (Reshape, Linear) are made dense there. A one-rank pass stops at the ``deadline``
+    between operator steps (:class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`).
     """
     known = {graph.input.name: box, **bounds}
 
@@ -91,6 +93,7 @@ def backward_bound(
         A = pending.pop(node.name, None)
         if A is None:
             continue
+        check_deadline_between_steps(deadline)
         if betas is not None and node.name in betas:
             A = A - betas[node.name]
         if node.name in keep:
@@ -124,12 +127,13 @@ def spec_lower(
     bounds: Mapping[str, Interval],
     alphas: Mapping[str, Tensor] | None = None,
     partition: RowPartition | None = None,
+    deadline: float | None = None,
 ) -> Tensor:
     """Lower bounds ``[S, B]`` of the output spec rows ``C [S, B, *output shape]``; with a ``partition`` this rank
     bounds only its chunk of the rows (``alphas`` are that chunk's) and the ranks exchange the results."""
     if partition is None:
-        return backward_bound(graph, graph.output.name, C, box, bounds, alphas).lower
-    local = backward_bound(graph, graph.output.name, partition.chunk(C), box, bounds, alphas).lower
+        return backward_bound(graph, graph.output.name, C, box, bounds, alphas, deadline=deadline).lower
+    local = backward_bound(graph, graph.output.name, partition.chunk(C), box, bounds, alphas, deadline=deadline).lower
     return partition.gather(local, C.shape[0])
 
 
@@ -238,7 +242,7 @@ def intermediate_bounds(
                         C = Patches.identity(mine, batch, node.shape, interval.lower.dtype)
                     else:
                         C = selection_rows(mine, batch, node.shape, interval.lower.dtype)
-                    lower = backward_bound(graph, node.name, C, box, bounds, start_alphas).lower
+                    lower = backward_bound(graph, node.name, C, box, bounds, start_alphas, deadline=deadline).lower
                     U = mine.numel()
                     lower, upper = lower[:U], -lower[U:]
                     if partition is not None:

@@ -15,7 +15,15 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeadlineExceeded", "agree", "check_deadline", "collective_device", "lockstep", "past"]
+__all__ = [
+    "DeadlineExceeded",
+    "agree",
+    "check_deadline",
+    "check_deadline_between_steps",
+    "collective_device",
+    "lockstep",
+    "past",
+]
 
 _group: list[dist.ProcessGroup | None] = [None]
 
@@ -61,4 +69,12 @@ class DeadlineExceeded(Exception):
 def check_deadline(deadline: float | None) -> None:
     """Raise :class:`DeadlineExceeded` if :func:`past` says so."""
     if past(deadline):
+        raise DeadlineExceeded
+
+
+def check_deadline_between_steps(deadline: float | None) -> None:
+    """:func:`check_deadline` inside a bound pass, for a rank that takes its decisions alone: there it is a clock
+    read. Ranks in lockstep check between passes only (an agreement per operator step would double the
+    collectives of a sharded pass)."""
+    if _group[-1] is None and deadline is not None and time.monotonic() > deadline:
         raise DeadlineExceeded
