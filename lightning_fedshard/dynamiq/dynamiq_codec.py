@@ -7,40 +7,68 @@ every field is a contiguous, vectorisable slice:
 field                 size                      meaning
 ====================  ========================  ==============================================
 super-group scales    4 bytes × n/256           fp32 max |x| of each super-group (SG) of 256
-group log-scales      1 byte × n/32             ``c``: group scale = SG scale · 2^(-c/8) ≥ group max
+group log-scales      1 byte × n/32             ``c``: group scale = SG scale · 2^(-c/16) ≥ group max
 group widths          3 bits × n/32             bits per coordinate of each group of 32, in {0, 2..8}
-payload               4·B bytes × n/256         offset-binary integers, group after group
+payload               4·B bytes × n/256         ``w`` bit planes per group, one after the other
 ====================  ========================  ==============================================
+
+A group of width ``w`` is quantised *midrise*: its scale ``s`` is cut into ``2^w`` equal cells and a
+coordinate is sent as the index of its cell, decoded to the cell's centre. Every code is used (a
+midtread grid with a level at 0 wastes one of ``2^w`` codes: 3 levels instead of 4 at 2 bits, a 4×
+larger error there). The ``w`` codes bits are sent as bit planes: plane ``m`` is one little-endian
+32-bit word whose bit ``j`` is bit ``m`` of coordinate ``j``'s code, so packing and unpacking are the
+same 32-lane shifts for every width, which vectorises (and compiles) without a per-width gather.
 
 A message spends exactly ``B`` payload bits per 32 coordinates on average (``B/8`` bits per
 coordinate), so its size depends only on ``n`` and ``B``: receivers allocate before data arrives.
 The payload is split between the groups by reverse water-filling on each group's distortion, which
-for an absmax quantiser is ``max² · 4^-bits``: bits go to the groups with the largest error first.
-The split spans the whole message, not each super-group: gradient magnitudes differ most between
-layers, and on tiny-Llama gradients a per-super-group budget leaves 7× more error at 4.5 bits
-(docs/benchmarks.md). The ranking uses ``floor(8·log2 max)`` read from the float's bits, so the
-allocation is exact and identical in the torch and Triton implementations (an allocation from sums
-of squares would depend on summation order).
+for a uniform quantiser over the group's scale is ``scale² · 4^-bits``: bits go to the groups with the
+largest error first. The split spans the whole message, not each super-group: gradient magnitudes
+differ most between layers, and on tiny-Llama gradients a per-super-group budget leaves 7× more error
+at 4.5 bits (docs/benchmarks.md). The ranking uses ``floor(8·log2 max)`` read from the float's bits,
+so the allocation is exact and identical in the torch and Triton implementations (an allocation from
+sums of squares would depend on summation order).
 
 A message carrying the sum of ``h`` chunks gets ``½·log2 h`` more bits per coordinate than the
 first hop's, because its error would otherwise grow with the number of hops (research note §6);
 the finished sum that the all-gather forwards gets the base rate. ``prepare`` picks the largest
 base rate for which all messages of the collective fit in ``bits`` per coordinate.
+
+On CPU the heavy steps (group maxima, quantise + pack, unpack + dequantise + add) are compiled with
+``torch.compile`` for chunks of at least ``COMPILE_MIN_NUMEL`` coordinates, where a C++ compiler is
+present (``FEDSHARD_DYNAMIQ_COMPILE=0`` turns it off); compiled and eager code give the same bytes.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_fedshard.dynamiq.bitpack import as_bytes, pack_bits, unpack_bits, view_bytes_as
+from lightning_fedshard.dynamiq.bitpack import as_bytes, pack_bits_fast, unpack_bits_fast, view_bytes_as
 from lightning_fedshard.dynamiq.codec import Codec, Transfer, check_finite, register_codec
 
-__all__ = ["GROUP", "SUPER_GROUP", "WIDTHS", "DynamiQCodec", "allocate_widths", "dither", "log2_eighths", "scale_table"]
+__all__ = [
+    "COMPILE_MIN_NUMEL",
+    "GROUP",
+    "SCALE_STEPS",
+    "SUPER_GROUP",
+    "WIDTHS",
+    "DynamiQCodec",
+    "allocate_widths",
+    "dither",
+    "log2_eighths",
+    "scale_table",
+]
 
 SUPER_GROUP = 256
 GROUP = 32
@@ -52,18 +80,26 @@ SIDE_BYTES_PER_SG = 4 + GROUPS_PER_SG + 3 * GROUPS_PER_SG // 8
 _WIDTH_CODE = {width: code for code, width in enumerate(WIDTHS)}
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _MIN_BASE = 8  # payload bits per group of 32 = one bit per coordinate on average
+#: Group scales are ``2^(-c/SCALE_STEPS)`` of their super-group's: at most 2^(1/16) = 4.4 % above the group max.
+SCALE_STEPS = 16
+#: Chunks at least this long run through the compiled kernels on CPU (shorter ones are not worth a dispatch).
+COMPILE_MIN_NUMEL = 1 << 16
 
 
 def scale_table(device: torch.device | str = "cpu") -> Tensor:
-    """``2^(-c/8)`` for ``c = 0..255`` in fp32: the group scales relative to their super-group's."""
-    return torch.tensor([2.0 ** (-c / 8) for c in range(256)], dtype=torch.float32, device=device)
+    """``2^(-c/16)`` for ``c = 0..255`` in fp32: the group scales relative to their super-group's."""
+    return torch.tensor([2.0 ** (-c / SCALE_STEPS) for c in range(256)], dtype=torch.float32, device=device)
 
 
 def dither(seed: int, numel: int, device: torch.device | str = "cpu") -> Tensor:
     """Uniform dither in (0, 1) for stochastic rounding: a 32-bit integer hash of ``(seed, index)``,
     so the Triton kernel can compute the same values from the same integers."""
+    return _hash_uniform(torch.arange(numel, dtype=torch.int64, device=device), dither_key(seed))
+
+
+def _hash_uniform(index: Tensor, key: int | Tensor) -> Tensor:
     mask = 0xFFFFFFFF
-    x = torch.arange(numel, dtype=torch.int64, device=device) ^ dither_key(seed)
+    x = index ^ key
     for _ in range(2):  # the "lowbias32"-style finaliser; multipliers < 2^31 keep int64 products exact
         x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
     x = x ^ (x >> 16)
@@ -81,14 +117,16 @@ def _mix32(value: int) -> int:
 
 
 def level_count(widths: Tensor) -> Tensor:
-    """Largest magnitude ``2^(w-1) - 1`` of the symmetric integers of each width (0 for width 0)."""
-    return torch.where(widths > 0, (1 << (widths - 1).clamp(min=0)) - 1, 0)
+    """Cells on each side of zero of the midrise grid of each width: ``2^(w-1)`` (0 for width 0)."""
+    return torch.where(widths > 0, 1 << (widths - 1).clamp(min=0), 0)
 
 
 def group_log_scales(group_max: Tensor, sg_scale: Tensor, table: Tensor) -> Tensor:
-    """``c = max{k : sg_scale · 2^(-k/8) ≥ group_max}`` per group, so that the group scale never clips."""
+    """``c = max{k : sg_scale · 2^(-k/16) ≥ group_max}`` per group, so that the group scale never clips."""
     ratio = group_max / sg_scale.repeat_interleave(GROUPS_PER_SG)
-    estimate = torch.where(group_max > 0, torch.floor(-8 * torch.log2(ratio)), torch.full_like(group_max, 255))
+    estimate = torch.where(
+        group_max > 0, torch.floor(-SCALE_STEPS * torch.log2(ratio)), torch.full_like(group_max, 255)
+    )
     c = estimate.clamp(0, 255).to(torch.int64)
     sg = sg_scale.repeat_interleave(GROUPS_PER_SG)
     # log2 can be off by an ulp: settle the exact predicate with integer steps.
@@ -111,7 +149,7 @@ def message_fields(group_max: Tensor, budget: int, table: Tensor) -> tuple[Tenso
 def message_header(sg_scale: Tensor, log_scales: Tensor, widths: Tensor) -> Tensor:
     """The fields before the payload: SG scales, group log-scales and 3-bit width codes (indices into ``WIDTHS``)."""
     width_codes = torch.searchsorted(torch.tensor(WIDTHS, device=widths.device), widths)
-    return torch.cat([as_bytes(sg_scale), log_scales.to(torch.uint8), pack_bits(width_codes, 3)])
+    return torch.cat([as_bytes(sg_scale), log_scales.to(torch.uint8), pack_bits_fast(width_codes, 3)])
 
 
 def log2_eighths(x: Tensor) -> Tensor:
@@ -139,7 +177,11 @@ def allocate_widths(keys: Tensor, active: Tensor, budget: int) -> Tensor:
     the groups whose next step lies one level lower. Computed from suffix counts of the keys, with no
     search and no host synchronisation.
     """
-    at_least = torch.bincount(keys[active], minlength=_KEYS).flip(0).cumsum(0).flip(0)  # [k] = #keys ≥ k
+    # a histogram of fixed size (bincount's size depends on the data, which compiled code cannot have);
+    # inactive groups are counted in a spare bin
+    counted = torch.zeros(_KEYS + 1, dtype=torch.int64, device=keys.device)
+    counted = counted.scatter_add_(0, torch.where(active, keys, _KEYS), torch.ones_like(keys))[:_KEYS]
+    at_least = counted.flip(0).cumsum(0).flip(0)  # [k] = #keys ≥ k
     # counts[i] = #keys ≥ i - _LEVEL_OFFSET, for levels from _LEVEL_OFFSET below the smallest key up.
     counts = torch.cat([at_least[:1].expand(_LEVEL_OFFSET), at_least, at_least.new_zeros(_LEVEL_OFFSET + 1)])
     levels = _KEYS + _LEVEL_OFFSET + 1
@@ -187,6 +229,7 @@ class DynamiQCodec(Codec):
         # Without a planned collective (a lone encode), one message gets the whole budget.
         self.base = self._check_base(math.floor(8 * (bits - 8 * SIDE_BYTES_PER_SG / SUPER_GROUP)), bits)
         self._tables: dict[torch.device, Tensor] = {}
+        self._buffers: dict[tuple, Tensor] = {}
 
     def _check_base(self, base: int, bits: float) -> int:
         if base < _MIN_BASE:
@@ -242,39 +285,83 @@ class DynamiQCodec(Codec):
         u = dither(seed, numel, device)
         return 1.0 - u if antithetic else u
 
+    def _rounding_key(self, summands: int, device: torch.device) -> tuple[Tensor | None, bool]:
+        """The dither's key as a tensor (so compiled kernels take new seeds without recompiling) and whether
+        it is antithetic; ``None`` for rounding to nearest."""
+        if self.rounding != "stochastic":
+            return None, False
+        seed, antithetic = self._dither_params(summands)
+        return torch.tensor(dither_key(seed), dtype=torch.int64, device=device), antithetic
+
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A buffer reused across calls: a fresh gradient-sized allocation per hop costs more in page faults
+        than the hop's arithmetic. One per thread, as ``simulate_all_reduce`` runs its ranks in threads."""
+        key = (name, numel, dtype, device, threading.get_ident())
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return self._buffers[key]
+
     def encode(self, x: Tensor, summands: int) -> Tensor:
-        check_finite(x, self.name)
-        groups = x.detach().to(torch.float32).reshape(-1, GROUP)
-        group_max = groups.abs().amax(dim=-1)
+        x = x.detach().to(torch.float32).reshape(-1)
+        return self._encode_with_max(x, _kernel(group_max_of, x)(x), summands)
+
+    def _encode_with_max(self, x: Tensor, group_max: Tensor, summands: int) -> Tensor:
+        check_finite(group_max, self.name)  # a NaN or Inf anywhere shows in its group's max
         table = self._table(x.device)
         budget = self.payload_bits(summands) * (group_max.numel() // GROUPS_PER_SG)
-        sg_scale, log_scales, widths = message_fields(group_max, budget, table)
-        levels = level_count(widths).to(torch.float32)[:, None]
-        group_scale = sg_scale.repeat_interleave(GROUPS_PER_SG)[:, None] * table[log_scales][:, None]
-        inverse_step = torch.where(levels > 0, levels / group_scale, 0.0)
-        offset = self._dither(x.numel(), summands, x.device).view_as(groups) if self.rounding == "stochastic" else 0.5
-        q = torch.floor(groups * inverse_step + offset)
-        q = torch.minimum(torch.maximum(q, -levels), levels)
-        payload = _pack_payload((q + levels).to(torch.int32), widths, 4 * budget)
-        return torch.cat([message_header(sg_scale, log_scales, widths), payload])
+        # the budget as a tensor: compiled code specialised on its value would recompile for every hop
+        budget_t = torch.tensor(budget, device=x.device)
+        sg_scale, log_scales, widths = _kernel(message_fields, x)(group_max, budget_t, table)
+        key, antithetic = self._rounding_key(summands, x.device)
+        codes = self._scratch("codes", x.numel(), torch.int32, x.device).view(-1, GROUP)
+        _kernel(quantize, x)(x.view(-1, GROUP), sg_scale, log_scales, widths, table, key, antithetic, codes)
+        planes = self._scratch("planes", x.numel() // 4, torch.int32, x.device).view(-1, MAX_WIDTH)
+        slots = self._scratch("slots", x.numel() // 4, torch.int64, x.device).view(-1, MAX_WIDTH)
+        _kernel(bit_planes, x)(codes, planes)
+        _kernel(plane_slots, x)(widths, budget_t, slots)
+        header = message_header(sg_scale, log_scales, widths)
+        side = header.numel()
+        # one spare word after the payload takes the planes groups do not have (see pack_planes)
+        buffer = torch.empty(side + 4 * (budget + 1), dtype=torch.uint8, device=x.device)
+        buffer[:side] = header
+        aligned = side % 4 == 0
+        words = (
+            buffer[side:].view(torch.int32) if aligned else torch.empty(budget + 1, dtype=torch.int32, device=x.device)
+        )
+        # intermediates live in reused buffers, and the scatter runs on its own: fused with the planes in one
+        # compiled graph, its inputs would be fresh allocations on every call
+        words.zero_().scatter_(0, slots.view(-1), planes.view(-1))
+        if not aligned:
+            buffer[side:] = words.view(torch.uint8)
+        return buffer[: side + 4 * budget]
 
     def accumulate(self, msg: Tensor, local: Tensor, summands: int) -> Tensor:
-        """On CUDA the fused Triton DAR (bit-identical to this reference); elsewhere decode + add + encode."""
+        """The fused Triton DAR on CUDA; elsewhere one pass decodes and adds (``decode(msg) + local`` to the
+        bit), then the sum is encoded. Both give the bytes of the base class's decode + add + encode."""
         if local.is_cuda and _HAS_TRITON:
             from lightning_fedshard.dynamiq import triton_dar
 
             return triton_dar.dar(self, msg, local, summands)
-        return super().accumulate(msg, local, summands)
+        if local.dtype == torch.float64:  # the reference adds in fp64 and rounds the sum once
+            return super().accumulate(msg, local, summands)
+        numel = local.numel()
+        total = self._scratch("total", numel, torch.float32, local.device)
+        group_max = self._decode_into(msg, numel, summands, local.detach().reshape(-1), total)
+        return self._encode_with_max(total, group_max, summands + 1)
 
     def decode(self, msg: Tensor, numel: int, summands: int) -> Tensor:
-        sgs = numel // SUPER_GROUP
-        budget = self.payload_bits(summands) * sgs
+        values = torch.empty(numel, dtype=torch.float32, device=msg.device)
+        self._decode_into(msg, numel, summands, None, values)
+        return values
+
+    def _decode_into(self, msg: Tensor, numel: int, summands: int, local: Tensor | None, out: Tensor) -> Tensor:
+        """Writes ``decode(msg) (+ local)`` into ``out``; returns its group maxima."""
+        budget = self.payload_bits(summands) * (numel // SUPER_GROUP)
         sg_scale, log_scales, widths, payload = split_message(msg, numel, budget)
-        codes = _unpack_payload(payload, widths)
-        levels = level_count(widths).to(torch.float32)
-        group_scale = sg_scale.repeat_interleave(GROUPS_PER_SG) * self._table(msg.device)[log_scales]
-        step = torch.where(levels > 0, group_scale / levels, 0.0)
-        return ((codes.to(torch.float32) - levels[:, None]) * step[:, None]).reshape(-1)
+        words = view_bytes_as(payload, torch.int32)
+        table = self._table(msg.device)
+        stochastic = self.rounding == "stochastic"
+        return _kernel(decode_add, out)(words, sg_scale, log_scales, widths, table, local, stochastic, out)
 
 
 def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -288,36 +375,145 @@ def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor,
     ends = (4 * sgs, 4 * sgs + groups, 4 * sgs + groups + 3 * groups // 8)
     sg_scale = view_bytes_as(msg[: ends[0]], torch.float32)
     log_scales = msg[ends[0] : ends[1]].to(torch.int64)
-    width_codes = unpack_bits(msg[ends[1] : ends[2]], 3, groups)
+    width_codes = unpack_bits_fast(msg[ends[1] : ends[2]], 3, groups)
     widths = torch.tensor(WIDTHS, device=msg.device)[width_codes.long()]
     return sg_scale, log_scales, widths, msg[ends[2] :]
 
 
 def payload_offsets(widths: Tensor) -> Tensor:
-    """Byte offset of each group in the payload: 32 coordinates of ``w`` bits take ``4·w`` bytes."""
-    return 4 * (torch.cumsum(widths, dim=0) - widths)
+    """Index of each group's first bit plane (32-bit word) in the payload: a group of width ``w`` has ``w``."""
+    return torch.cumsum(widths, dim=0) - widths
 
 
-def _pack_payload(codes: Tensor, widths: Tensor, nbytes: int) -> Tensor:
-    payload = torch.zeros(nbytes, dtype=torch.uint8, device=codes.device)
-    offsets = payload_offsets(widths)
-    for width in WIDTHS[1:]:
-        (group,) = torch.nonzero(widths == width, as_tuple=True)
-        if group.numel():
-            columns = offsets[group][:, None] + torch.arange(4 * width, device=codes.device)
-            payload[columns.reshape(-1)] = pack_bits(codes[group], width)
-    return payload
+# ---------------------------------------------------------------------------------------------- kernels
+# Pure tensor functions, compiled on CPU for long chunks (``_kernel``). Integer bit work is done in int32
+# (32 coordinates per plane word); every float operation is the reference's, in its order.
+_PLANES = torch.arange(MAX_WIDTH, dtype=torch.int32)
+_LANES = torch.arange(GROUP, dtype=torch.int32)
 
 
-def _unpack_payload(payload: Tensor, widths: Tensor) -> Tensor:
-    codes = torch.zeros(widths.numel(), GROUP, dtype=torch.int32, device=payload.device)
-    offsets = payload_offsets(widths)
-    for width in WIDTHS[1:]:
-        (group,) = torch.nonzero(widths == width, as_tuple=True)
-        if group.numel():
-            columns = offsets[group][:, None] + torch.arange(4 * width, device=payload.device)
-            codes[group] = unpack_bits(payload[columns.reshape(-1)], width, group.numel() * GROUP).view(-1, GROUP)
-    return codes
+def group_max_of(x: Tensor) -> Tensor:
+    """Max |x| of each group of 32."""
+    return x.view(-1, GROUP).abs().amax(dim=-1)
+
+
+def _grid(
+    sg_scale: Tensor, log_scales: Tensor, widths: Tensor, table: Tensor, stochastic: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each group's codes per side ``L = 2^(w-1)`` (fp32, 0 for width 0), the steps from 0 to its scale
+    ``s`` (``L`` for rounding to nearest, ``L - ½`` for stochastic rounding) and ``s``.
+
+    To nearest, the grid is midrise: ``2L`` cells of ``s/L`` and the coordinate decodes to its cell's centre.
+    Stochastic rounding puts the outermost points at ``±s`` instead (step ``s/(L - ½)``), so that no value is
+    ever clamped and every rounding is unbiased."""
+    levels = level_count(widths).to(torch.float32)
+    steps = levels - 0.5 if stochastic else levels
+    return levels, steps, sg_scale.repeat_interleave(GROUPS_PER_SG) * table[log_scales]
+
+
+def quantize(
+    groups: Tensor,
+    sg_scale: Tensor,
+    log_scales: Tensor,
+    widths: Tensor,
+    table: Tensor,
+    key: Tensor | None,
+    antithetic: bool,
+    out: Tensor,
+) -> None:
+    """Midrise codes in ``[0, 2^w)`` of ``groups [G, 32]`` into ``out [G, 32]`` (int32):
+    ``floor(x · L/s + offset)`` clamped to ``[-L, L)``, plus ``L``; offset 0 rounds to nearest, ``u - ½``
+    with the hashed dither ``u`` (``½ - u`` when antithetic) rounds stochastically."""
+    levels, steps, group_scale = _grid(sg_scale, log_scales, widths, table, key is not None)
+    inverse_step = torch.where(levels > 0, steps / group_scale, 0.0)[:, None]
+    scaled = groups * inverse_step
+    if key is not None:
+        index = torch.arange(groups.numel(), dtype=torch.int64, device=groups.device).view_as(groups)
+        u = _hash_uniform(index, key)
+        scaled = scaled + ((0.5 - u) if antithetic else (u - 0.5))
+    q = torch.floor(scaled)
+    q = torch.minimum(torch.maximum(q, -levels[:, None]), levels[:, None] - 1)
+    out.copy_((q + levels[:, None]).to(torch.int32))
+
+
+def bit_planes(codes: Tensor, out: Tensor) -> None:
+    """The 8 bit planes of each group of ``codes [G, 32]`` into ``out [G, 8]`` (int32): bit ``j`` of plane ``m``
+    is bit ``m`` of code ``j``."""
+    planes = _PLANES.to(codes.device)
+    packed = ((codes[:, 0, None] >> planes) & 1) << 0
+    for j in range(1, GROUP):  # unrolled: one fused pass over 32 lanes per plane, where a reduction would not vectorise
+        packed = packed | (((codes[:, j, None] >> planes) & 1) << j)
+    out.copy_(packed)
+
+
+def plane_slots(widths: Tensor, spare: Tensor, out: Tensor) -> None:
+    """Where each of the 8 planes of each group goes in the payload (``out [G, 8]``): a group's first ``w`` at
+    its offset, the others to the ``spare`` word."""
+    planes = _PLANES.to(widths.device)
+    out.copy_(torch.where(planes < widths[:, None], payload_offsets(widths)[:, None] + planes, spare))
+
+
+def decode_add(
+    words: Tensor,
+    sg_scale: Tensor,
+    log_scales: Tensor,
+    widths: Tensor,
+    table: Tensor,
+    local: Tensor | None,
+    stochastic: bool,
+    out: Tensor,
+) -> Tensor:
+    """Writes ``(code - L + ½) · step`` of every coordinate (``step = s/L``, or ``s/(L - ½)`` for stochastic
+    rounding: see ``_grid``), plus ``local`` (an fp32 sum) when given, into
+    ``out``; returns each group's max |value|."""
+    levels, steps, group_scale = _grid(sg_scale, log_scales, widths, table, stochastic)
+    step = torch.where(levels > 0, group_scale / torch.where(levels > 0, steps, 1.0), 0.0)[:, None]
+    planes = _PLANES.to(words.device)
+    slot = payload_offsets(widths)[:, None] + planes
+    slot = torch.where(planes < widths[:, None], slot, words.numel())
+    plane_words = torch.cat([words, words.new_zeros(1)])[slot]  # [G, 8]; planes a group lacks read 0
+    lanes = _LANES.to(words.device)
+    codes = ((plane_words[:, 0, None] >> lanes) & 1) << 0
+    for m in range(1, MAX_WIDTH):
+        codes = codes | (((plane_words[:, m, None] >> lanes) & 1) << m)
+    values = (((codes.to(torch.float32) - levels[:, None]) + 0.5) * step).reshape(-1)  # step 0 for width 0
+    if local is not None:
+        values = values + local.to(torch.float32)
+    out.copy_(values)
+    return values.view(-1, GROUP).abs().amax(dim=-1)
+
+
+def _compile_enabled() -> bool:
+    setting = os.environ.get("FEDSHARD_DYNAMIQ_COMPILE", "auto").lower()
+    if setting in ("0", "off", "false", "no"):
+        return False
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+_compile_failed: list[BaseException] = []
+
+
+def _kernel(fn: Callable, reference: Tensor, numel: int | None = None) -> Callable:
+    """``fn`` compiled for long CPU chunks where a compiler is present, else ``fn`` itself. If compiling fails
+    (a broken tool chain) the eager function is used from then on, after one warning."""
+    numel = reference.numel() if numel is None else numel
+    if reference.device.type != "cpu" or numel < COMPILE_MIN_NUMEL or _compile_failed or not _compile_enabled():
+        return fn
+
+    def run(*args):
+        try:
+            return _compiled(fn)(*args)
+        except torch._dynamo.exc.TorchDynamoException as error:  # no working compiler: run eager
+            _compile_failed.append(error)
+            warnings.warn(f"DynamiQ: torch.compile failed ({error!r:.200}); using the eager codec.", stacklevel=2)
+            return fn(*args)
+
+    return run
 
 
 register_codec("dynamiq", lambda bits: DynamiQCodec(bits))

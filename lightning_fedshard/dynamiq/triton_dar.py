@@ -59,8 +59,8 @@ BLOCK_GROUPS = 16
 
 @triton.jit
 def _levels(width):
-    # 2^(w-1) - 1 as fp32; the shift is clamped because 1 << -1 is undefined for width-0 groups.
-    return tl.where(width > 0, (1 << tl.maximum(width - 1, 0)) - 1, 0).to(tl.float32)
+    # 2^(w-1) (cells per side of the midrise grid) as fp32; the shift is clamped because 1 << -1 is undefined.
+    return tl.where(width > 0, 1 << tl.maximum(width - 1, 0), 0).to(tl.float32)
 
 
 @triton.jit
@@ -76,16 +76,24 @@ def _group_fields(widths, offsets, log_scales, sg_scales, table, num_groups, BLO
 
 
 @triton.jit
-def _step(levels, group_scale):
-    """Decode's ``group_scale / L`` (0 for width 0), IEEE-rounded like torch's division."""
-    return tl.where(levels > 0, tl.div_rn(group_scale, tl.where(levels > 0, levels, 1.0)), 0.0)
+def _steps(levels, STOCHASTIC: tl.constexpr):
+    """Steps from 0 to the group scale: ``L`` (midrise, to nearest) or ``L - ½`` (stochastic; ``_grid``)."""
+    if STOCHASTIC:
+        return levels - 0.5
+    return levels
 
 
 @triton.jit
-def _inverse_step(levels, group_scale):
-    """Encode's ``L / group_scale`` (0 for width 0): a division, not ``L * (1 / group_scale)``, which
-    differs in the last bit and would move codes that lie near a rounding boundary."""
-    return tl.where(levels > 0, tl.div_rn(levels, tl.where(levels > 0, group_scale, 1.0)), 0.0)
+def _step(steps, levels, group_scale):
+    """Decode's ``group_scale / steps`` (0 for width 0), IEEE-rounded like torch's division."""
+    return tl.where(levels > 0, tl.div_rn(group_scale, tl.where(levels > 0, steps, 1.0)), 0.0)
+
+
+@triton.jit
+def _inverse_step(steps, levels, group_scale):
+    """Encode's ``steps / group_scale`` (0 for width 0): a division, not ``steps * (1 / group_scale)``,
+    which differs in the last bit and would move codes that lie near a rounding boundary."""
+    return tl.where(levels > 0, tl.div_rn(steps, tl.where(levels > 0, group_scale, 1.0)), 0.0)
 
 
 @triton.jit
@@ -117,24 +125,27 @@ def _decode_accumulate(
     BLOCK: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     PER_SG: tl.constexpr,
+    WORDS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):
     group, live, width, start, group_scale, levels = _group_fields(
         widths, offsets, log_scales, sg_scales, table, num_groups, BLOCK, PER_SG
     )
-    step = _step(levels, group_scale)
+    step = _step(_steps(levels, STOCHASTIC), levels, group_scale)
 
-    # Code j of a group occupies bits [j·w, (j+1)·w) of its bytes; with w <= 8 it touches at most two.
+    # Plane m of a group is the little-endian 32-bit word at its offset + m; bit j of it is bit m of code j.
     j = tl.arange(0, GROUP_SIZE)
-    bit = j[None, :] * width[:, None]
-    byte = payload + start[:, None] + (bit >> 3)
-    shift = bit & 7
-    coded = live[:, None] & (width[:, None] > 0)
-    low = tl.load(byte, mask=coded, other=0).to(tl.int32)
-    high = tl.load(byte + 1, mask=coded & (shift + width[:, None] > 8), other=0).to(tl.int32)
-    code = ((low | (high << 8)) >> shift) & ((1 << width[:, None]) - 1)
+    m = tl.arange(0, WORDS)
+    has_plane = live[:, None] & (m[None, :] < width[:, None])
+    word = payload + 4 * (start[:, None] + m[None, :])
+    plane = tl.zeros((BLOCK, WORDS), dtype=tl.uint32)
+    for b in tl.static_range(4):
+        plane = plane | (tl.load(word + b, mask=has_plane, other=0).to(tl.uint32) << (8 * b))
+    bits = (plane[:, :, None] >> j[None, None, :].to(tl.uint32)) & 1
+    code = tl.sum(bits << m[None, :, None].to(tl.uint32), axis=1).to(tl.int32)  # disjoint bits: sum = or
 
     coord = group[:, None].to(tl.int64) * GROUP_SIZE + j[None, :]
-    value = (code.to(tl.float32) - levels[:, None]) * step[:, None]
+    value = ((code.to(tl.float32) - levels[:, None]) + 0.5) * step[:, None]
     value = value + tl.load(local + coord, mask=live[:, None], other=0.0).to(tl.float32)
     tl.store(total + coord, value, mask=live[:, None])
     tl.store(group_max + group, tl.max(tl.abs(value), axis=1), mask=live)
@@ -161,33 +172,27 @@ def _quantize_pack(
     group, live, width, start, group_scale, levels = _group_fields(
         widths, offsets, log_scales, sg_scales, table, num_groups, BLOCK, PER_SG
     )
-    inverse_step = _inverse_step(levels, group_scale)
+    inverse_step = _inverse_step(_steps(levels, STOCHASTIC), levels, group_scale)
 
     j = tl.arange(0, GROUP_SIZE)
     coord = group[:, None].to(tl.int64) * GROUP_SIZE + j[None, :]
     x = tl.load(total + coord, mask=live[:, None], other=0.0)
     if STOCHASTIC:
-        offset = _uniform(coord, key, ANTITHETIC)
+        offset = _uniform(coord, key, ANTITHETIC) - 0.5
+        q = tl.floor(x * inverse_step[:, None] + offset)
     else:
-        offset = 0.5
-    q = tl.floor(x * inverse_step[:, None] + offset)
-    q = tl.minimum(tl.maximum(q, -levels[:, None]), levels[:, None])
+        q = tl.floor(x * inverse_step[:, None])
+    q = tl.minimum(tl.maximum(q, -levels[:, None]), levels[:, None] - 1)
     code = (q + levels[:, None]).to(tl.int32).to(tl.uint32)
 
-    # A group's 32·w bits are w little-endian 32-bit words. Word m takes from code j the bits that
-    # fall in [32m, 32m + 32): shifted left by j·w - 32m when the code starts inside the word, right
-    # when it started in the previous one. The bit ranges are disjoint, so their sum is their OR (no
-    # carries) and the word is built in registers from one coalesced load of the group, without gathers.
+    # Plane m of a group: bit j is bit m of code j (disjoint bits, so the sum is their or), stored as a
+    # little-endian 32-bit word at the group's offset + m; the first w planes of a group are written.
     m = tl.arange(0, WORDS)
-    s = j[None, None, :] * width[:, None, None] - 32 * m[None, :, None]
-    code = code[:, None, :]
-    piece = tl.where(s >= 0, code << tl.minimum(s, 31).to(tl.uint32), code >> tl.minimum(-s, 31).to(tl.uint32))
-    piece = tl.where((s < 32) & (s > -width[:, None, None]), piece, 0)
-    word = tl.sum(piece, axis=2)
-
+    bits = (code[:, None, :] >> m[None, :, None].to(tl.uint32)) & 1
+    plane = tl.sum(bits << j[None, None, :].to(tl.uint32), axis=2)
     b = tl.arange(0, 4)
-    out = ((word[:, :, None] >> (8 * b[None, None, :]).to(tl.uint32)) & 0xFF).to(tl.uint8)
-    target = payload + start[:, None, None] + 4 * m[None, :, None] + b[None, None, :]
+    out = ((plane[:, :, None] >> (8 * b[None, None, :]).to(tl.uint32)) & 0xFF).to(tl.uint8)
+    target = payload + 4 * (start[:, None, None] + m[None, :, None]) + b[None, None, :]
     tl.store(target, out, mask=live[:, None, None] & (m[None, :, None] < width[:, None, None]))
 
 
@@ -219,21 +224,22 @@ def dar(codec: DynamiQCodec, msg: Tensor, local: Tensor, summands: int) -> Tenso
         BLOCK=BLOCK_GROUPS,
         GROUP_SIZE=GROUP,
         PER_SG=GROUPS_PER_SG,
+        WORDS=MAX_WIDTH,
+        STOCHASTIC=codec.rounding == "stochastic",
         enable_fp_fusion=False,
     )
-    check_finite(total, codec.name)
     return _encode_with_max(codec, total, group_max, summands + 1)
 
 
 def encode(codec: DynamiQCodec, x: Tensor, summands: int) -> Tensor:
     """``codec.encode(x, summands)``, byte for byte (``x.numel()`` a multiple of 256)."""
     _check_numel(x.numel())
-    check_finite(x, codec.name)
     x = x.detach().to(torch.float32).reshape(-1).contiguous()
     return _encode_with_max(codec, x, x.view(-1, GROUP).abs().amax(dim=-1), summands)
 
 
 def _encode_with_max(codec: DynamiQCodec, x: Tensor, group_max: Tensor, summands: int) -> Tensor:
+    check_finite(group_max, codec.name)  # a NaN or Inf anywhere shows in its group's max
     groups, sgs = group_max.numel(), group_max.numel() // GROUPS_PER_SG
     table = codec._table(x.device)
     budget = codec.payload_bits(summands) * sgs

@@ -106,7 +106,9 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_sum(ranks, inputs, code
     exact = sum(x.double() for x in inputs)
     combined = torch.cat(shards)[:NUMEL]
     assert vnmse(combined, exact) <= MAX_VNMSE[codec]
-    if codec != "thc":  # THC's rotation spreads quantisation noise over the padding too
+    # THC's rotation spreads quantisation noise over the padding too, and DynamiQ's grids have no level at 0:
+    # padding in a group with data decodes to about half a step
+    if codec not in ("thc", "dynamiq", "dynamiq_sr"):
         assert torch.cat(shards)[NUMEL:].abs().max() <= 1e-3 * exact.abs().max()
 
 

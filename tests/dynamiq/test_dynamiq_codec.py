@@ -62,13 +62,15 @@ def test_rounding_to_nearest_errs_by_at_most_half_a_step(name) -> None:
     groups, decoded = x.view(-1, GROUP), x_hat.view(-1, GROUP)
     coded = levels > 0
     step = (group_scale / levels.clamp(min=1))[:, None]
-    assert torch.all((decoded - groups).abs()[coded] <= 0.5 * step.expand_as(groups)[coded] * (1 + 1e-6))
+    # midrise: a coordinate decodes to the centre of its cell, at most half a cell away (plus float rounding)
+    tolerance = 0.5 * step + 1e-6 * group_scale[:, None]
+    assert torch.all((decoded - groups).abs()[coded] <= tolerance.expand_as(groups)[coded])
     assert torch.all(decoded.abs() <= group_scale[:, None] * (1 + 1e-6))  # the group scale never clips
     assert torch.all(decoded[~coded] == 0)
     assert torch.all(widths[groups.abs().amax(dim=1) == 0] == 0)  # all-zero groups cost no payload
 
 
-def test_group_log_scale_is_the_tightest_eighth_octave_above_the_group_max() -> None:
+def test_group_log_scale_is_the_tightest_sixteenth_octave_above_the_group_max() -> None:
     x = inputs(65536)["layered"].view(-1, GROUP).abs().amax(dim=1)
     sg = x.view(-1, 8).amax(dim=1).repeat_interleave(8)
     table = scale_table()

@@ -166,11 +166,12 @@ def test_in_kernel_dither_equals_reference(seed: int) -> None:
 
 
 @triton.jit
-def _steps_kernel(levels, group_scale, step, inverse_step, BLOCK: tl.constexpr):
+def _steps_kernel(levels, group_scale, step, inverse_step, BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     count, scale = tl.load(levels + i), tl.load(group_scale + i)
-    tl.store(step + i, triton_dar._step(count, scale))
-    tl.store(inverse_step + i, triton_dar._inverse_step(count, scale))
+    steps = triton_dar._steps(count, STOCHASTIC)
+    tl.store(step + i, triton_dar._step(steps, count, scale))
+    tl.store(inverse_step + i, triton_dar._inverse_step(steps, count, scale))
 
 
 def test_group_steps_equal_reference_divisions() -> None:
@@ -183,7 +184,9 @@ def test_group_steps_equal_reference_divisions() -> None:
     group_scale = (sg_scale * scale_table()[torch.randint(0, 256, (numel,), generator=g)]).to(DEVICE)
     levels = level_count(torch.tensor(WIDTHS)[torch.randint(0, len(WIDTHS), (numel,), generator=g)])
     levels = levels.to(DEVICE, torch.float32)
-    step, inverse_step = torch.empty_like(levels), torch.empty_like(levels)
-    _steps_kernel[(numel // 4096,)](levels, group_scale, step, inverse_step, BLOCK=4096)
-    assert torch.equal(step, torch.where(levels > 0, group_scale / levels, 0.0))
-    assert torch.equal(inverse_step, torch.where(levels > 0, levels / group_scale, 0.0))
+    for stochastic in (False, True):
+        step, inverse_step = torch.empty_like(levels), torch.empty_like(levels)
+        _steps_kernel[(numel // 4096,)](levels, group_scale, step, inverse_step, BLOCK=4096, STOCHASTIC=stochastic)
+        steps = levels - 0.5 if stochastic else levels
+        assert torch.equal(step, torch.where(levels > 0, group_scale / torch.where(levels > 0, steps, 1.0), 0.0))
+        assert torch.equal(inverse_step, torch.where(levels > 0, steps / group_scale, 0.0))
