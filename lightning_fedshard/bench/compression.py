@@ -284,6 +284,26 @@ def single_encode(x: Tensor, bits: float) -> tuple[float, float]:
     return vnmse(codec.decode(msg, x.numel(), 1), x), float(widths.sum()) / (x.numel() // GROUP)
 
 
+def ring_allocation_bound(grads: Sequence[Tensor]) -> float:
+    """The least ring/single-encode vNMSE ratio any split of the same wire bits over the ring's messages reaches,
+    for a codec whose error falls 4x per bit (the steepest a rate-distortion curve falls).
+
+    Hop ``h`` sends the partial sum of ``h`` gradients (energy ``E_h``) once, the all-gather sends the finished
+    sum ``P - 1`` times; the sum's error is ``Σ_h (E_h/E_P)·4^-b_h + 4^-b_AG``. Minimising it under the budget
+    (Lagrange: each message's error share proportional to how often it is sent) gives
+    ``2(P-1) · 2^(Σ n_h·log2(c_h/n_h) / 2(P-1))`` times the single encode's ``4^-b`` (``c_h`` the weights,
+    ``n_h`` the sends). For P = 8: 3.44 for independent gradients, 2.24 for identical ones."""
+    p = len(grads)
+    partial = torch.zeros(grads[0].numel(), dtype=torch.float64)
+    energies = []
+    for g in grads:
+        partial += g.double()
+        energies.append(float(partial.square().sum()))
+    terms = [(energies[h] / energies[-1], 1) for h in range(p - 1)] + [(1.0, p - 1)]
+    messages = 2 * (p - 1)
+    return messages * 2 ** (sum(n * math.log2(c / n) for c, n in terms) / messages)
+
+
 def zoo_table(zoo: dict[str, list[Tensor]], ps: Sequence[int] = ZOO_PS) -> dict:
     """For each family: DynamiQ at 5 and 6 bits (single encode, references, rings) and MXFP8-E4M3 at P = 8."""
     out: dict = {}
@@ -299,6 +319,7 @@ def zoo_table(zoo: dict[str, list[Tensor]], ps: Sequence[int] = ZOO_PS) -> dict:
                 total, wire = simulate_all_reduce(grads[:p], codec="dynamiq", bits=bits)
                 row[f"ring_p{p}"], row[f"wire_p{p}"] = vnmse(total, exact_sum(grads[:p])), wire
             entry[f"dynamiq {bits:.1f}"] = row
+        entry["ring_bound_p8"] = ring_allocation_bound(grads[:8])
         total, wire = simulate_all_reduce(grads[:8], codec="mxfp8")
         entry["mxfp8"] = {"ring_p8": vnmse(total, exact_sum(grads[:8])), "wire_p8": wire}
         entry["seconds"] = time.perf_counter() - start
@@ -310,7 +331,7 @@ def zoo_table(zoo: dict[str, list[Tensor]], ps: Sequence[int] = ZOO_PS) -> dict:
 def print_zoo_table(results: dict) -> None:
     headers = [
         "family", "coords", "payload b", "single", "RD bound", "oracle", "/oracle", "/RD",
-        "ring P4", "ring P8", "ring P16", "P8/single", "wire P8", "6.0 P8", "mxfp8 P8", "6.0 < mxfp8",
+        "ring P4", "ring P8", "ring P16", "P8/single", "bound", "wire P8", "6.0 P8", "mxfp8 P8", "6.0 < mxfp8",
     ]  # fmt: skip
     lines = []
     for family, e in results.items():
@@ -327,6 +348,7 @@ def print_zoo_table(results: dict) -> None:
                 _num(five["single"] / five["rd_bound"], 2),
                 *(_sci(five[f"ring_p{p}"]) for p in ZOO_PS),
                 _num(five["ring_p8"] / five["single"], 2),
+                _num(e["ring_bound_p8"], 2),
                 _num(five["wire_p8"], 2),
                 _sci(six["ring_p8"]),
                 _sci(mx["ring_p8"]),
@@ -341,6 +363,8 @@ def print_zoo_table(results: dict) -> None:
         "  widths 0-8 allocated optimally) at that payload rate, side information free (bench/rate_distortion.py).\n"
         f"  Bars: single/oracle <= {ORACLE_BAR}, ring P8/single <= {RING_BAR}, bits=6.0 ring below MXFP8-E4M3's.\n"
         "ring PN = vNMSE of the sum of workers 0..N-1 through an N-rank ring (simulated, same bytes as gloo);\n"
+        "bound = the least P8/single any split of the same bits over the ring's messages can reach for a codec whose\n"
+        "  error falls 4x per bit, from the family's partial-sum energies (ring_allocation_bound).\n"
         "wire P8 = wire bits per coordinate at P=8, all side information included (the budget is bits=5.0)."
     )
 
@@ -482,22 +506,36 @@ def _median_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], N
 
 def dar_throughput(sizes: Sequence[int], repeats: int) -> list[dict]:
     """Times ``codec.accumulate(msg, local, 1)`` — decode a one-summand message, add the local chunk, encode
-    the two-summand sum — against ``copy_`` of the same fp32 data. GB/s = 4·n bytes of fp32 input / time."""
+    the two-summand sum — and DynamiQ's encode and decode alone, against ``copy_`` of the same fp32 data.
+    DynamiQ runs with its compiled CPU kernels and with the eager ones. GB/s = 4·n bytes of fp32 input / time."""
     out = []
-    specs = [("dynamiq 5.0", "dynamiq", 5.0), ("int8", "int8", None), ("mxfp8", "mxfp8", None)]
     cuda = torch.cuda.is_available()
     for n in sizes:
         x, y = heavy_tailed(2, n, seed=3)
         dst = torch.empty_like(x)
         copy_s = _median_seconds(lambda: dst.copy_(x), repeats)  # called before the loop moves on
-        for label, name, bits in specs:
-            codec = make_codec(name, bits)
-            msg = codec.encode(x, 1)
-            seconds = _median_seconds(lambda: codec.accumulate(msg, y, 1), repeats)
-            out.append(_rate("cpu torch", label, n, seconds, copy_s))
+        for label, name, bits, eager in (
+            ("dynamiq 5.0", "dynamiq", 5.0, False),
+            ("dynamiq 5.0 eager", "dynamiq", 5.0, True),
+            ("int8", "int8", None, False),
+            ("mxfp8", "mxfp8", None, False),
+        ):
+            with eager_codecs() if eager else contextlib.nullcontext():
+                for operation, fn in _operations(make_codec(name, bits), x, y).items():
+                    seconds = _median_seconds(fn, repeats)
+                    out.append(_rate("cpu torch", label, n, seconds, copy_s, operation=operation))
         if cuda:
             out += _cuda_dar(x, y, repeats)
     return out
+
+
+def _operations(codec: Codec, x: Tensor, y: Tensor) -> dict[str, Callable[[], object]]:
+    """What the DAR table times for ``codec``: the hop, and for DynamiQ its encode and decode alone."""
+    msg = codec.encode(x, 1)
+    operations: dict[str, Callable[[], object]] = {"DAR": lambda: codec.accumulate(msg, y, 1)}
+    if isinstance(codec, DynamiQCodec):
+        operations |= {"encode": lambda: codec.encode(x, 1), "decode": lambda: codec.decode(msg, x.numel(), 1)}
+    return operations
 
 
 def _cuda_dar(x: Tensor, y: Tensor, repeats: int) -> list[dict]:
@@ -524,11 +562,14 @@ def _cuda_dar(x: Tensor, y: Tensor, repeats: int) -> list[dict]:
     return rows
 
 
-def _rate(device: str, label: str, n: int, seconds: float, copy_s: float, **extra: object) -> dict:
+def _rate(
+    device: str, label: str, n: int, seconds: float, copy_s: float, operation: str = "DAR", **extra: object
+) -> dict:
     gbs, copy_gbs = 4 * n / seconds / 1e9, 4 * n / copy_s / 1e9
     return {
         "device": device,
         "codec": label,
+        "operation": operation,
         "numel": n,
         "ms": 1e3 * seconds,
         "gb_per_s": gbs,
@@ -539,17 +580,21 @@ def _rate(device: str, label: str, n: int, seconds: float, copy_s: float, **extr
 
 
 def print_dar_table(rows: list[dict]) -> None:
-    headers = ["device / codec", "n", "ms", "GB/s", "copy_ GB/s", "DAR/copy", "note"]
+    headers = ["device / codec", "operation", "n", "ms", "GB/s", "copy_ GB/s", "/copy", "note"]
     lines = []
     for r in rows:
         name = f"{r['device']} {r['codec']}"
+        operation = r.get("operation", "DAR")
         if "error" in r:
-            lines.append([name, f"2^{r['numel'].bit_length() - 1}", "—", "—", "—", "—", f"skipped: {r['error'][:60]}"])
+            lines.append(
+                [name, operation, f"2^{r['numel'].bit_length() - 1}", "—", "—", "—", "—", f"skipped: {r['error'][:60]}"]
+            )
             continue
         note = "" if "bit_exact" not in r else ("bit-exact vs torch" if r["bit_exact"] else "DIFFERS from torch")
         lines.append(
             [
                 name,
+                operation,
                 f"2^{r['numel'].bit_length() - 1}",
                 _num(r["ms"], 2),
                 _num(r["gb_per_s"], 3),
@@ -561,6 +606,7 @@ def print_dar_table(rows: list[dict]) -> None:
     print(format_table(headers, lines))
     print(
         "DAR = codec.accumulate(msg, local, 1): decode a 1-summand message, add the local fp32 chunk, encode the sum.\n"
+        "dynamiq rows use the compiled CPU kernels (torch.compile, after a warm-up call); 'eager' the fallback.\n"
         "GB/s = 4·n bytes of fp32 input / median time; copy_ = torch copy_ of the same n fp32 in the same run\n"
         "(reads 4n and writes 4n bytes: the memory-bandwidth ceiling). Heavy-tailed input (t3 x block scale).\n"
         f"CPU rows: {torch.get_num_threads()} torch thread(s) (--threads)."
