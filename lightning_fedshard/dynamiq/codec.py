@@ -77,6 +77,10 @@ class Codec:
         May run small collectives on ``group`` (all ranks call it in the same order)."""
         return chunks
 
+    def warm_up(self, numel: int, device: torch.device | str = "cpu") -> None:
+        """Prepares for chunks of ``numel`` coordinates before the first collective (DynamiQ compiles its CPU
+        kernels); nothing to do for most codecs."""
+
     def prepare_simulated(self, chunks_per_rank: list[Tensor], transfer: Transfer) -> list[Tensor]:
         """``prepare`` for all ranks at once, in one process (``simulate_all_reduce``). The default suits
         codecs whose ``prepare`` leaves the data as it is; codecs that transform it override this."""

@@ -25,7 +25,15 @@ from torch.distributed import ProcessGroup
 from lightning_fedshard.dynamiq.codec import Codec, Message, Transfer, make_codec
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
-__all__ = ["DEFAULT_MIN_NUMEL", "TOPOLOGIES", "all_reduce", "plan_transfer", "reduce_scatter", "simulate_all_reduce"]
+__all__ = [
+    "DEFAULT_MIN_NUMEL",
+    "TOPOLOGIES",
+    "all_reduce",
+    "plan_transfer",
+    "reduce_scatter",
+    "simulate_all_reduce",
+    "warm_up",
+]
 
 TOPOLOGIES = ("ring", "butterfly")
 #: Below this many coordinates a collective is latency-bound: 2(P-1) small messages lose to one all-reduce.
@@ -269,6 +277,13 @@ class _Ring:
     def _p2p(self, send: Tensor, recv: Tensor, dst: int, src: int) -> None:
         self._send_recv(send, recv, dst, src)
         self.wire_bytes += send.numel() * send.element_size()
+
+
+def warm_up(codec: Codec, numel: int, world_size: int, device: torch.device | str = "cpu") -> None:
+    """``codec.warm_up`` for the chunks an all-reduce or reduce-scatter of ``numel`` coordinates over
+    ``world_size`` ranks sends."""
+    per_rank = -(-numel // world_size)
+    codec.warm_up(-(-per_rank // codec.block) * codec.block, device)
 
 
 def _chunks(tensor: Tensor, world_size: int, block: int) -> Tensor:

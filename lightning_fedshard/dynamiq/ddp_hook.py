@@ -48,4 +48,3 @@ def dynamiq_hook(state: DynamiQHookState, bucket: dist.GradBucket) -> torch.futu
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
-

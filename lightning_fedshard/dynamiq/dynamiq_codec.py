@@ -358,10 +358,23 @@ class DynamiQCodec(Codec):
         """Writes ``decode(msg) (+ local)`` into ``out``; returns its group maxima."""
         budget = self.payload_bits(summands) * (numel // SUPER_GROUP)
         sg_scale, log_scales, widths, payload = split_message(msg, numel, budget)
-        words = view_bytes_as(payload, torch.int32)
+        # the payload in a buffer of the largest budget, its last word a zero: the compiled kernel then has one
+        # shape for every hop (the budget grows with the summands)
+        words = self._scratch("received", numel // GROUP * MAX_WIDTH + 1, torch.int32, msg.device)
+        words[budget:] = 0
+        words[:budget] = view_bytes_as(payload, torch.int32)
         table = self._table(msg.device)
         stochastic = self.rounding == "stochastic"
         return _kernel(decode_add, out)(words, sg_scale, log_scales, widths, table, local, stochastic, out)
+
+    def warm_up(self, numel: int, device: torch.device | str = "cpu") -> None:
+        """Compiles the CPU kernels for chunks of ``numel`` coordinates now (a few seconds per size, once per
+        process), so that the first collective does not pay for it. A no-op where they would not compile."""
+        reference = torch.empty(0, device=device)
+        if _kernel(decode_add, reference, numel) is decode_add:
+            return
+        zeros = torch.zeros(numel, device=device)
+        self.decode(self.accumulate(self.encode(zeros, 1), zeros, 1), numel, 2)  # every kernel; no state changes
 
 
 def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -464,14 +477,13 @@ def decode_add(
     out: Tensor,
 ) -> Tensor:
     """Writes ``(code - L + ½) · step`` of every coordinate (``step = s/L``, or ``s/(L - ½)`` for stochastic
-    rounding: see ``_grid``), plus ``local`` (an fp32 sum) when given, into
-    ``out``; returns each group's max |value|."""
+    rounding: see ``_grid``), plus ``local`` (an fp32 sum) when given, into ``out``; returns each group's max
+    |value|. ``words`` holds the payload followed by at least one zero word, which planes a group lacks read."""
     levels, steps, group_scale = _grid(sg_scale, log_scales, widths, table, stochastic)
     step = torch.where(levels > 0, group_scale / torch.where(levels > 0, steps, 1.0), 0.0)[:, None]
     planes = _PLANES.to(words.device)
-    slot = payload_offsets(widths)[:, None] + planes
-    slot = torch.where(planes < widths[:, None], slot, words.numel())
-    plane_words = torch.cat([words, words.new_zeros(1)])[slot]  # [G, 8]; planes a group lacks read 0
+    slot = torch.where(planes < widths[:, None], payload_offsets(widths)[:, None] + planes, words.numel() - 1)
+    plane_words = words[slot]  # [G, 8]
     lanes = _LANES.to(words.device)
     codes = ((plane_words[:, 0, None] >> lanes) & 1) << 0
     for m in range(1, MAX_WIDTH):
@@ -504,6 +516,8 @@ def _kernel(fn: Callable, reference: Tensor, numel: int | None = None) -> Callab
     numel = reference.numel() if numel is None else numel
     if reference.device.type != "cpu" or numel < COMPILE_MIN_NUMEL or _compile_failed or not _compile_enabled():
         return fn
+    if threading.current_thread() is not threading.main_thread():
+        return fn  # dynamo compiles from one thread; simulate_all_reduce's rank threads run eager
 
     def run(*args):
         try:

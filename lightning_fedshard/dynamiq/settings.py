@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_fedshard.dynamiq.codec import CODECS, Codec, make_codec
-from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL, TOPOLOGIES, all_reduce, reduce_scatter
+from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL, TOPOLOGIES, all_reduce, reduce_scatter, warm_up
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
 __all__ = ["Compression"]
@@ -51,6 +52,12 @@ class Compression:
     def make_codec(self) -> Codec:
         """A fresh codec instance; keep it across calls so stateful codecs (seeds) advance."""
         return make_codec(self.codec, self.bits)
+
+    def warm_up(self, codec: Codec, numel: int, world_size: int, device: torch.device | str = "cpu") -> None:
+        """Readies ``codec`` for the collectives of ``numel`` coordinates over ``world_size`` ranks that these
+        settings compress (smaller tensors take the plain all-reduce)."""
+        if numel >= self.min_numel and world_size > 1:
+            warm_up(codec, numel, world_size, device)
 
     def all_reduce(self, tensor: Tensor, codec: Codec, group: ProcessGroup | None, stats: CompressionStats) -> Tensor:
         """``dynamiq.all_reduce`` (in-place sum) with these settings and ``codec`` (from ``make_codec``)."""

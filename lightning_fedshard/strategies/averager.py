@@ -76,6 +76,12 @@ class FedAverager:
         self._outer: torch.optim.SGD | None = None
         if outer_optimizer == "nesterov" or compression is not None:
             self._reference = [p.to_local().detach().to(sync_dtype, copy=True) for _, p in self.named_params]
+        if self._codec is not None:
+            # compile the codec's kernels for this run's bucket sizes now, not inside the first sync
+            local = [p.to_local() for _, p in self.named_params]
+            for bucket in _buckets(local, BUCKET_BYTES // sync_dtype.itemsize):
+                numel = sum(t.numel() for t in bucket)
+                compression.warm_up(self._codec, numel, dist.get_world_size(fed_group), local[0].device)
         if outer_optimizer == "nesterov":
             self._outer = torch.optim.SGD(self._reference, lr=outer_lr, momentum=outer_momentum, nesterov=True)
             # A zero buffer makes the first step identical to SGD's lazy init and gives the checkpoint a fixed layout.
