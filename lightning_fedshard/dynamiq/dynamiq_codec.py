@@ -361,7 +361,7 @@ class DynamiQCodec(Codec):
         # the payload in a buffer of the largest budget, its last word a zero: the compiled kernel then has one
         # shape for every hop (the budget grows with the summands)
         words = self._scratch("received", numel // GROUP * MAX_WIDTH + 1, torch.int32, msg.device)
-        words[budget:] = 0
+        words[-1] = 0  # no budget reaches it (at most 8 words per group)
         words[:budget] = view_bytes_as(payload, torch.int32)
         table = self._table(msg.device)
         stochastic = self.rounding == "stochastic"
