@@ -654,7 +654,15 @@ TRAINING_RUNS = {
         f"{_HOOK}.init_args.matrix_approximation_rank=2",
         f"{_HOOK}.init_args.start_powerSGD_iter=10",
     ],
+    # the GPT-2-style model (tied embeddings, LayerNorm, GELU) through the same recipe
+    "gpt2 none": [f"{_CODEC}none", "--model.preset=gpt2-tiny"],
+    "gpt2 dynamiq 5.0": [f"{_CODEC}dynamiq", "--trainer.strategy.init_args.bits=5.0", "--model.preset=gpt2-tiny"],
 }
+
+
+def _baseline(label: str) -> str:
+    """The uncompressed run a training run is compared with: the one of the same model."""
+    return "gpt2 none" if label.startswith("gpt2") else "none"
 
 
 def training(out: Path, steps: int, config: Path = RECIPE) -> dict:
@@ -688,8 +696,8 @@ def training(out: Path, steps: int, config: Path = RECIPE) -> dict:
             "val_curve": result.val_curve,
             "seconds": time.perf_counter() - start,
         }
-    base = results.get("none", {})
-    for entry in results.values():
+    for label, entry in results.items():
+        base = results.get(_baseline(label), {})
         for key in ("train_loss", "val_loss"):
             if key in entry and key in base:
                 entry[f"{key}_pct_of_none"] = 100 * entry[key] / base[key]
@@ -721,7 +729,8 @@ def print_training_table(results: dict, steps: int) -> None:
         "through the same compressed ring; 'none' is uncompressed fp32 through that ring. train loss = mean of rank\n"
         "0's last 8 logged step losses; val loss/ppl = last validation (all ranks). bits/coord = mean logged\n"
         "dynamiq/gradients/bits_per_coord (PowerSGD rank 2, start_powerSGD_iter=10, logs none: '—').\n"
-        "% none = loss / the none run's loss x 100. Loopback on 2 cores: tokens/s cannot show a bandwidth win."
+        "% none = loss / the none run's loss x 100 (gpt2 runs: / the gpt2 none run's; --model.preset=gpt2-tiny).\n"
+        "Loopback on 2 cores: tokens/s cannot show a bandwidth win."
     )
 
 

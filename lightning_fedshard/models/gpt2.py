@@ -32,6 +32,12 @@ class GPT2Config:
     max_seq_len: int = 256
     norm_eps: float = 1e-5
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, as ``LlamaConfig.flops_per_token`` counts them: 6 per matrix weight (the
+        tied head included, the embeddings' lookups not) plus attention over ``seq_len``."""
+        matmul_weights = 12 * self.n_layers * self.dim**2 + self.vocab_size * self.dim
+        return 6 * matmul_weights + 12 * self.n_layers * self.dim * seq_len
+
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPT2Config:
         if name not in GPT2_PRESETS:

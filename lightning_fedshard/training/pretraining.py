@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 
 from lightning_fedshard.data.packing import IGNORE_INDEX
-from lightning_fedshard.models import Llama, LlamaConfig
+from lightning_fedshard.models import GPT2, GPT2_PRESETS, GPT2Config, Llama, LlamaConfig
 from lightning_fedshard.training.schedule import warmup_cosine
 
 __all__ = ["LlamaPretraining"]
@@ -27,7 +27,8 @@ class LlamaPretraining(pl.LightningModule):
 
     Arguments:
         preset: A name from :data:`lightning_fedshard.models.PRESETS` (``"llama3.1-8b"``, ``"llama3.1-1b"``,
-            ``"llama3.1-tiny"``, ``"llama3.1-micro"``).
+            ``"llama3.1-tiny"``, ``"llama3.1-micro"``), or a GPT-2-style preset from
+            :data:`~lightning_fedshard.models.GPT2_PRESETS` (``"gpt2-tiny"``; data-parallel strategies only).
         overrides: Fields of :class:`~lightning_fedshard.models.LlamaConfig` to change on the preset.
         seq_len: Training sequence length (linked to the data module's by ``fedshard``); must fit the
             rotary context ``max_seq_len``.
@@ -61,7 +62,11 @@ class LlamaPretraining(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config = LlamaConfig.from_name(preset, **(overrides or {}))
+        self.config: LlamaConfig | GPT2Config = (
+            GPT2Config.from_name(preset, **(overrides or {}))
+            if preset in GPT2_PRESETS
+            else LlamaConfig.from_name(preset, **(overrides or {}))
+        )
         name = type(self).__name__
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"{name}: `seq_len` must be a positive integer, got {seq_len!r}.")
@@ -76,7 +81,7 @@ class LlamaPretraining(pl.LightningModule):
                 f" warmup_fraction={warmup_fraction}, min_lr_ratio={min_lr_ratio}."
             )
         self.seq_len = seq_len
-        self.model: Llama | None = None
+        self.model: Llama | GPT2 | None = None
         self.val_loss = MeanMetric()
         #: Read by TokenThroughputMonitor for MFU; set per batch since batch shapes are known only then.
         self.flops_per_batch = 0
@@ -93,6 +98,14 @@ class LlamaPretraining(pl.LightningModule):
         if self.model is not None:
             return  # Lightning calls this again for every fit/validate/test
         sharded = self._trainer is not None and isinstance(self._trainer.strategy, ModelParallelStrategy)
+        if isinstance(self.config, GPT2Config):
+            if sharded:
+                raise ValueError(
+                    f"{type(self).__name__}: {self.config.name!r} trains under data-parallel strategies (ddp,"
+                    " ddp_dynamiq); the sharding strategies shard Llama blocks."
+                )
+            self.model = GPT2(self.config)
+            return
         # sharding strategies materialise the meta model one shard per rank
         with torch.device("meta") if sharded else nullcontext():
             self.model = Llama(self.config)

@@ -59,3 +59,28 @@ def test_module_arguments_are_checked_at_construction():
         LlamaPretraining("llama3.1-micro", warmup_fraction=1.0)
     with pytest.raises(ValueError, match="has 300 ids"):
         LlamaPretraining("llama3.1-micro").check_vocab(300)
+
+
+def test_a_gpt2_preset_trains_with_its_tied_head():
+    data = TextDataModule(seq_len=16, batch_size=2)
+    module = LlamaPretraining("gpt2-tiny", seq_len=16, overrides={"n_layers": 1}, lr=1e-2)
+    fitted = trainer(max_steps=3, limit_val_batches=0)
+    fitted.fit(module, datamodule=data)
+    gpt2 = module.model
+    assert type(gpt2).__name__ == "GPT2" and gpt2.config.n_layers == 1
+    inputs = torch.randint(0, 257, (1, 16))
+    # the output head is the token embedding: logits are the final features against every embedding row
+    with torch.no_grad():
+        features = gpt2.pos_embeddings(torch.arange(16)) + gpt2.tok_embeddings(inputs)
+        for layer in gpt2.layers:
+            features = layer(features)
+        expected = gpt2.norm(features) @ gpt2.tok_embeddings.weight.T
+        assert torch.allclose(module(inputs), expected)
+    assert module.flops_per_batch == module.config.flops_per_token(16) * 2 * 16
+
+
+def test_gpt2_presets_refuse_the_sharding_strategies():
+    module = LlamaPretraining("gpt2-tiny", seq_len=16)
+    module._trainer = type("T", (), {"strategy": pl.strategies.ModelParallelStrategy()})()
+    with pytest.raises(ValueError, match="data-parallel strategies"):
+        module.configure_model()
