@@ -29,14 +29,13 @@ def llama_gradients(
     workers: int = 8, *, warmup_steps: int = 30, batch_size: int = 8, seq_len: int = 128, seed: int = 0
 ) -> list[Tensor]:
     """One flat fp32 gradient per worker of the tiny Llama after ``warmup_steps`` AdamW steps."""
-    model = Llama(LlamaConfig.from_name("llama3.1-tiny"))
-    return snapshots(model, _text_batches(batch_size, seq_len, seed), _lm_loss, (warmup_steps,), workers, seed)[
-        warmup_steps
-    ]
+    return snapshots(
+        _llama("llama3.1-tiny"), _text_batches(batch_size, seq_len, seed), _lm_loss, (warmup_steps,), workers, seed
+    )[warmup_steps]
 
 
 def snapshots(
-    model: nn.Module,
+    build: Callable[[], nn.Module],
     batches: Iterator[Batch],
     loss: Callable[[nn.Module, Batch], Tensor],
     steps: Sequence[int],
@@ -44,9 +43,10 @@ def snapshots(
     seed: int = 0,
     lr: float = 3e-3,
 ) -> dict[int, list[Tensor]]:
-    """Trains ``model`` with AdamW and, at each of ``steps``, takes one flat gradient per worker (each from the
-    next batch; the training run goes on from where it was, on its own batches)."""
+    """Builds a model (seeded), trains it with AdamW and, at each of ``steps``, takes one flat gradient per worker
+    (each from the next batch; the training run goes on from where it was, on its own batches)."""
     torch.manual_seed(seed)
+    model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def gradient() -> Tensor:
@@ -70,22 +70,25 @@ def gradient_zoo(workers: int = 16, seed: int = 0, quick: bool = False) -> dict[
     text = _text_batches(8, 128, seed)
     zoo = {
         f"llama-tiny@{step}": grads
-        for step, grads in snapshots(
-            Llama(LlamaConfig.from_name("llama3.1-tiny")), text, _lm_loss, steps, workers, seed
-        ).items()
+        for step, grads in snapshots(_llama("llama3.1-tiny"), text, _lm_loss, steps, workers, seed).items()
     }
-    zoo["llama-micro@30"] = snapshots(
-        Llama(LlamaConfig.from_name("llama3.1-micro")), _text_batches(8, 128, seed + 1), _lm_loss, (30,), workers, seed
-    )[30]
+    micro = _text_batches(8, 128, seed + 1)
+    zoo["llama-micro@30"] = snapshots(_llama("llama3.1-micro"), micro, _lm_loss, (30,), workers, seed)[30]
+    gpt2 = _text_batches(8, 128, seed + 2)
     zoo["gpt2-tiny@30"] = snapshots(
-        GPT2(GPT2Config.from_name("gpt2-tiny")), _text_batches(8, 128, seed + 2), _lm_loss, (30,), workers, seed
+        lambda: GPT2(GPT2Config.from_name("gpt2-tiny")), gpt2, _lm_loss, (30,), workers, seed
     )[30]
-    zoo["resnet@30"] = snapshots(_resnet(), _image_batches(32, seed + 3), _classification_loss, (30,), workers, seed)[
-        30
-    ]
-    bf16 = Llama(LlamaConfig.from_name("llama3.1-tiny")).to(torch.bfloat16)
-    zoo["llama-tiny-bf16@30"] = snapshots(bf16, _text_batches(8, 128, seed + 4), _lm_loss, (30,), workers, seed)[30]
+    images = _image_batches(32, seed + 3)
+    zoo["resnet@30"] = snapshots(_resnet, images, _classification_loss, (30,), workers, seed)[30]
+    bf16 = _text_batches(8, 128, seed + 4)
+    zoo["llama-tiny-bf16@30"] = snapshots(
+        _llama("llama3.1-tiny", torch.bfloat16), bf16, _lm_loss, (30,), workers, seed
+    )[30]
     return zoo
+
+
+def _llama(preset: str, dtype: torch.dtype = torch.float32) -> Callable[[], nn.Module]:
+    return lambda: Llama(LlamaConfig.from_name(preset)).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- tasks

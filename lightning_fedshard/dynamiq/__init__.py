@@ -9,7 +9,7 @@ Example::
 
 from lightning_fedshard.dynamiq import baselines
 from lightning_fedshard.dynamiq.codec import CODECS, Codec, make_codec, register_codec
-from lightning_fedshard.dynamiq.collective import TOPOLOGIES, all_reduce, reduce_scatter, simulate_all_reduce
+from lightning_fedshard.dynamiq.collective import TOPOLOGIES, all_reduce, reduce_scatter, simulate_all_reduce, warm_up
 from lightning_fedshard.dynamiq.ddp_hook import DynamiQHookState, dynamiq_hook
 from lightning_fedshard.dynamiq.dynamiq_codec import DynamiQCodec
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter
@@ -34,4 +34,5 @@ __all__ = [
     "reduce_scatter",
     "register_codec",
     "simulate_all_reduce",
+    "warm_up",
 ]
