@@ -521,7 +521,9 @@ def _kernel(fn: Callable, reference: Tensor, numel: int | None = None) -> Callab
 
     def run(*args):
         try:
-            return _compiled(fn)(*args)
+            # always without autograd: compiled code is specialised on the grad mode, and callers differ in it
+            with torch.no_grad():
+                return _compiled(fn)(*args)
         except torch._dynamo.exc.TorchDynamoException as error:  # no working compiler: run eager
             _compile_failed.append(error)
             warnings.warn(f"DynamiQ: torch.compile failed ({error!r:.200}); using the eager codec.", stacklevel=2)
