@@ -80,6 +80,7 @@ def test_the_plugin_compresses_ddp_gradients_on_cpu_and_training_follows_fp32(ru
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # 32 s of training to show two spellings build one hook; with the benchmarks, for CI's 20 min
 def test_ddp_dynamiq_is_the_same_hook_as_the_plugin(run) -> None:
     assert [r["losses"] for r in run("ddp_dynamiq")] == [r["losses"] for r in run("ddp_plugin")]
 

@@ -21,6 +21,7 @@ from lightning_fedshard.bench.verify_memory import random_mlp
 from lightning_fedshard.verify import VerifyConfig, load_onnx, read_vnnlib, verify
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.config import Refine
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
@@ -93,7 +94,8 @@ def root_bounds(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> di
 
 def verdict(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[str, object]:
     timeout = ZONES_TIMEOUT_S if plan is not None and plan.tp_mode.value == "zones" and plan.sharded else 60.0
-    config = VerifyConfig(timeout=timeout, alpha_iterations=ALPHA_ITERATIONS, measure_memory=True)
+    # LP/MILP refinement runs only unsharded: the single-process reference must search like the sharded runs
+    config = VerifyConfig(timeout=timeout, alpha_iterations=ALPHA_ITERATIONS, measure_memory=True, refine=Refine.NONE)
     result = verify(graph, prop, config, plan)
     cex = result.counterexample
     return {
