@@ -55,7 +55,7 @@ from lightning_fedshard.dynamiq import (
     warm_up,
 )
 from lightning_fedshard.dynamiq.baselines import THCCodec
-from lightning_fedshard.dynamiq.dynamiq_codec import GROUP, split_message
+from lightning_fedshard.dynamiq.dynamiq_format import GROUP, split_message
 
 __all__ = ["CodecRow", "PowerSGDHook", "bias", "codec_rows", "format_table", "heavy_tailed", "main", "vnmse"]
 

@@ -9,7 +9,7 @@ short torch step that works on one float per group (n/32 values, not n):
 1. ``_decode_accumulate`` (one program per ``BLOCK_GROUPS`` groups): unpacks each coordinate's
    ``w``-bit code from the payload bytes, dequantizes it, adds the local chunk, writes the fp32 sum
    and each group's max |sum|.
-2. torch, reusing the reference functions (``message_fields``, ``payload_offsets``, ``message_header``):
+2. torch, reusing the format's functions (``message_fields``, ``payload_offsets``, ``message_header``):
    SG scales, group log-scales, the water-filled widths, the payload offsets and the width codes.
 3. ``_quantize_pack`` (one program per ``BLOCK_GROUPS`` groups): re-reads the sum, quantizes it and
    writes each group's ``4·w`` payload bytes at its offset. Groups own disjoint byte ranges, so the
@@ -32,24 +32,28 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from lightning_fedshard.dynamiq.codec import check_finite
-from lightning_fedshard.dynamiq.dynamiq_codec import (
+from lightning_fedshard.dynamiq.dynamiq_format import (
     GROUP,
     GROUPS_PER_SG,
     MAX_WIDTH,
     SUPER_GROUP,
-    DynamiQCodec,
     dither_key,
     message_fields,
     message_header,
     payload_offsets,
     split_message,
 )
+
+if TYPE_CHECKING:  # the codec imports this module when it first runs on CUDA
+    from lightning_fedshard.dynamiq.dynamiq_codec import DynamiQCodec
 
 __all__ = ["BLOCK_GROUPS", "dar", "encode"]
 

@@ -4,20 +4,19 @@ interpreter, so the chunks stay small (interpreted programs cost milliseconds ea
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from lightning_fedshard.dynamiq import triton_dar  # noqa: E402
-from lightning_fedshard.dynamiq.collective import plan_transfer  # noqa: E402
-from lightning_fedshard.dynamiq.dynamiq_codec import (  # noqa: E402
+from lightning_fedshard.dynamiq import triton_dar
+from lightning_fedshard.dynamiq.collective import plan_transfer
+from lightning_fedshard.dynamiq.dynamiq_codec import DynamiQCodec
+from lightning_fedshard.dynamiq.dynamiq_format import (
     GROUP,
     SUPER_GROUP,
     WIDTHS,
-    DynamiQCodec,
     dither,
     dither_key,
     level_count,
