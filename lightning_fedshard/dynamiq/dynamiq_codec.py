@@ -47,10 +47,14 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
     split_message,
 )
 
-__all__ = ["COMPILE_MIN_NUMEL", "DynamiQCodec"]
+__all__ = ["COMPILE_MIN_NUMEL", "MAX_BITS", "DynamiQCodec"]
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _MIN_BASE = 8  # payload bits per group of 32 = one bit per coordinate on average
+_SIDE_BITS = 8 * SIDE_BYTES_PER_SG / SUPER_GROUP  # per coordinate
+#: The rate of a message whose every group has the widest codes (8 bits): more bits would buy nothing.
+MAX_BITS = MAX_WIDTH + _SIDE_BITS
+_MIN_BITS = _MIN_BASE / 8 + _SIDE_BITS
 #: Chunks at least this long run through the compiled kernels on CPU (shorter ones are not worth a dispatch).
 COMPILE_MIN_NUMEL = 1 << 16
 
@@ -75,6 +79,12 @@ class DynamiQCodec(Codec):
 
     def __init__(self, bits: float | None = 5.0, *, rounding: str = "nearest", seed: int = 0) -> None:
         bits = 5.0 if bits is None else float(bits)
+        if not _MIN_BITS <= bits <= MAX_BITS:  # NaN too
+            wider = " For more precision use a wider format (codec='bf16' or 'none')." if bits > MAX_BITS else ""
+            raise ValueError(
+                f"DynamiQ sends {_MIN_BITS:.3f} to {MAX_BITS:.3f} bits per coordinate (codes of 1 to 8 bits on "
+                f"average plus {_SIDE_BITS:.3f} of side information); got bits={bits}.{wider}"
+            )
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}.")
         super().__init__(bits)
@@ -83,18 +93,9 @@ class DynamiQCodec(Codec):
         self.calls = 0
         self.world_size: int | None = None
         # Without a planned collective (a lone encode), one message gets the whole budget.
-        self.base = self._check_base(math.floor(8 * (bits - 8 * SIDE_BYTES_PER_SG / SUPER_GROUP)), bits)
+        self.base = math.floor(8 * (bits - _SIDE_BITS))
         self._tables: dict[torch.device, Tensor] = {}
         self._buffers: dict[tuple, Tensor] = {}
-
-    def _check_base(self, base: int, bits: float) -> int:
-        if base < _MIN_BASE:
-            side = 8 * SIDE_BYTES_PER_SG / SUPER_GROUP
-            raise ValueError(
-                f"DynamiQ needs at least {1 + side:.3f} bits per coordinate plus its per-hop widening "
-                f"(side information alone is {side:.3f}); got bits={bits}."
-            )
-        return min(base, 8 * MAX_WIDTH)
 
     # ------------------------------------------------------------------ budget
     def payload_bits(self, summands: int) -> int:

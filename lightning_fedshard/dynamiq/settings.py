@@ -3,6 +3,7 @@ reduce-scatter, the FedAvg averager and the Lightning plugin."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,8 @@ class Compression:
             raise ValueError(f"Unknown codec {self.codec!r}; expected one of {sorted(CODECS)}.")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"Unknown topology {self.topology!r}; expected one of {TOPOLOGIES}.")
-        if not self.bits > 0:
-            raise ValueError(f"bits must be positive, got {self.bits}.")
+        if not 0 < self.bits < math.inf:  # NaN too
+            raise ValueError(f"bits must be a positive, finite number of bits per coordinate, got {self.bits}.")
         if self.min_numel < 0:
             raise ValueError(f"min_numel must be ≥ 0, got {self.min_numel}.")
         self.make_codec()  # a budget the codec cannot meet fails here, not on the first step

@@ -426,8 +426,9 @@ def test_thc_accumulate_adds_integers_exactly() -> None:
         codec.encode(torch.full((8,), 0.5), 1)
     with pytest.raises(ValueError, match="integers"):
         codec.encode(torch.full((8,), 16.0), 1)
-    with pytest.raises(ValueError, match="bits"):
-        THCCodec(bits=1)
+    for bits in (1, 4.5, 9, float("nan"), float("inf")):  # a whole number of index bits, or a clear error
+        with pytest.raises(ValueError, match=rf"thc: bits must be a whole number in \[2, 8\], got {bits}"):
+            THCCodec(bits=bits)
 
 
 def test_thc_prepare_rejects_non_finite() -> None:

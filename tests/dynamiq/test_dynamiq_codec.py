@@ -13,6 +13,7 @@ import lightning_fedshard.dynamiq
 from lightning_fedshard.dynamiq import DynamiQCodec, simulate_all_reduce
 from lightning_fedshard.dynamiq.codec import Message, Transfer
 from lightning_fedshard.dynamiq.collective import plan_transfer
+from lightning_fedshard.dynamiq.dynamiq_codec import MAX_BITS
 from lightning_fedshard.dynamiq.dynamiq_format import (
     GROUP,
     WIDTHS,
@@ -163,9 +164,21 @@ def test_prepare_spends_the_largest_budget_that_fits(topology, world_size, numel
     assert codec.payload_bits(world_size) == codec.base
 
 
-def test_a_budget_below_the_side_information_is_refused() -> None:
-    with pytest.raises(ValueError, match="bits per coordinate"):
-        DynamiQCodec(1.2)
+@pytest.mark.parametrize("bits", [1.2, 8.5, 16.0, float("nan"), float("inf"), -float("inf")])
+def test_a_budget_outside_the_codecs_range_is_refused_at_construction(bits) -> None:
+    with pytest.raises(ValueError, match=rf"DynamiQ sends 1\.469 to 8\.469 bits per coordinate .* got bits={bits}"):
+        DynamiQCodec(bits)
+
+
+def test_the_largest_budget_gives_every_group_the_widest_codes() -> None:
+    codec = DynamiQCodec(MAX_BITS)
+    assert codec.message_bytes(1024, 1) * 8 / 1024 == MAX_BITS
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5))
+    _, _, widths, _ = split_message(codec.encode(x, 1), 1024, codec.payload_bits(1) * 4)
+    assert torch.equal(widths, torch.full_like(widths, 8))
+
+
+def test_a_budget_below_what_the_collective_needs_is_refused() -> None:
     codec = DynamiQCodec(1.6)
     transfer = Transfer(world_size=16, messages=(Message(256, 15),) * 30, reference_coords=256 * 30)
     with pytest.raises(ValueError, match="raise bits"):

@@ -145,6 +145,11 @@ def test_plugin_settings_are_checked_before_any_process_starts() -> None:
         Compression(topology="tree")
     with pytest.raises(ValueError, match="bits per coordinate"):
         Compression(bits=1.0)
+    for bits in (float("nan"), float("inf"), 0.0):  # the fixed formats ignore bits, but not a meaningless one
+        with pytest.raises(ValueError, match=f"bits must be a positive, finite number .* got {bits}"):
+            Compression(codec="bf16", bits=bits)
+    with pytest.raises(ValueError, match="DynamiQ sends 1.469 to 8.469 bits per coordinate .* got bits=16"):
+        DynamiQ(bits=16)
 
 
 def test_the_plugin_is_the_trainers_precision_and_keeps_the_composed_one() -> None:

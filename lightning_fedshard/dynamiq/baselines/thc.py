@@ -92,10 +92,10 @@ class THCCodec(Codec):
 
     def __init__(self, bits: float | None = None, seed: int = 0) -> None:
         super().__init__(bits)
-        b = 4 if bits is None else int(bits)
-        if not 2 <= b <= 8:
-            raise ValueError(f"thc: bits must be in [2, 8], got {bits}.")
-        self.levels = 1 << b
+        b = 4 if bits is None else bits
+        if b not in range(2, 9):  # 8.5, NaN and inf too: the index width is a whole number of bits
+            raise ValueError(f"thc: bits must be a whole number in [2, 8], got {bits}.")
+        self.levels = 1 << int(b)
         self.seed = seed
         self.side_bytes = 0.0
         self._calls = 0
