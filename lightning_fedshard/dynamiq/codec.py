@@ -17,7 +17,17 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["CODECS", "Codec", "Message", "Transfer", "check_finite", "make_codec", "register_codec"]
+__all__ = [
+    "CODECS",
+    "Codec",
+    "Message",
+    "Transfer",
+    "check_finite",
+    "make_codec",
+    "non_finite_flag",
+    "raise_if_any_non_finite",
+    "register_codec",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,9 @@ class Codec:
     lossless: ClassVar[bool] = False
     #: Bytes this rank sent outside the messages in the last ``prepare`` (THC's range agreement).
     side_bytes: float = 0.0
+    #: True when ``prepare`` itself makes every rank raise alike on NaN or Inf in any rank's chunks, by folding
+    #: ``non_finite_flag`` into a collective it runs anyway; for the others the collectives agree on the flag first.
+    agrees_finite: ClassVar[bool] = False
 
     def __init__(self, bits: float | None = None) -> None:
         self.bits = bits
@@ -138,5 +151,26 @@ def check_finite(x: Tensor, codec: str) -> None:
     if not bool(torch.isfinite(x).all()):
         raise ValueError(
             f"{codec}: the tensor holds NaN or Inf values, which the codec cannot encode "
-            "(a diverged step or an fp16 overflow); skip the step or use codec='none'."
+            "(a diverged step or an fp16 overflow); skip the step."
+        )
+
+
+def non_finite_flag(x: Tensor, rank: int) -> Tensor:
+    """``[rank + 1]`` when the non-empty ``x`` holds a NaN or an Inf, else ``[0]``: an int64 tensor on ``x``'s
+    device, so no host synchronisation. Reduced with MAX over a group, it names the highest-numbered rank with
+    one. One reading pass (NaN propagates through min and max), a small fraction of an encode."""
+    low, high = torch.aminmax(x)
+    return torch.where(torch.isfinite(low) & torch.isfinite(high), 0, rank + 1).reshape(1)
+
+
+def raise_if_any_non_finite(flag: int, codec: str, world_size: int) -> None:
+    """What every rank of a collective raises when the MAX-reduced ``non_finite_flag`` is set: all of them, at
+    once, before any message is sent, instead of the one rank whose encoder meets the NaN while the others wait
+    for its message until the process group times out."""
+    if flag:
+        raise ValueError(
+            f"{codec}: the tensor holds NaN or Inf values on rank {flag - 1} of {world_size} (the highest-numbered "
+            "rank with any), which the codec cannot encode (a diverged step or an fp16 overflow). Every rank of the "
+            "collective raises this error before sending anything and leaves its tensor unchanged, so all of them "
+            "can skip the step; dist.all_reduce would pass the NaN on instead."
         )

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_fedshard.dynamiq.codec import Codec, Message, Transfer, make_codec
+from lightning_fedshard.dynamiq.codec import (
+    Codec,
+    Message,
+    Transfer,
+    make_codec,
+    non_finite_flag,
+    raise_if_any_non_finite,
+)
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
 __all__ = [
@@ -76,23 +83,38 @@ def all_reduce(
     Every rank ends with the same bits. ``codec`` is a registered codec name (``"dynamiq"``,
     ``"bf16"``, ``"mxfp8"``, ``"thc"``, ...; see ``CODECS``) or a ``Codec`` instance (keep one to
     carry state such as stochastic-rounding seeds across calls). ``bits`` is the wire budget per
-    coordinate for rate-adaptive codecs. Tensors under ``min_numel`` coordinates, and groups of one,
-    use a plain ``dist.all_reduce``. With ``debug=True`` an exact all-reduce of a copy measures the
-    error into ``stats``.
+    coordinate for rate-adaptive codecs. Tensors under ``min_numel`` coordinates, empty ones, integer and
+    bool tensors, and groups of one use a plain (exact) ``dist.all_reduce``; a complex tensor is compressed
+    as its real and imaginary parts. NaN or Inf on any rank raises the same ``ValueError`` on every rank,
+    before anything is sent. With ``debug=True`` an exact all-reduce of a copy measures the error into
+    ``stats``.
 
     Example::
 
         grad = torch.randn(1 << 20)
         all_reduce(grad, codec="dynamiq", bits=5.0)   # now the sum over all ranks, identical everywhere
     """
+    if tensor.is_complex():
+        all_reduce(
+            torch.view_as_real(tensor),
+            codec=codec,
+            bits=bits,
+            group=group,
+            topology=topology,
+            min_numel=min_numel,
+            stats=stats,
+            debug=debug,
+        )
+        return tensor
     world_size = dist.get_world_size(group)
     reference = _exact_sum(tensor, group) if debug else None
-    if world_size == 1 or tensor.numel() < min_numel:
+    if _exact(tensor, world_size, min_numel):
         dist.all_reduce(tensor, group=group)
         _record_plain(stats, tensor, world_size, factor=2)
     else:
         ring = _Ring.over(make_codec(codec, bits), group, topology)
         chunks = _chunks(tensor, world_size, ring.codec.block)
+        _agree_finite(ring.codec, chunks, group)
         transfer = plan_transfer(topology, world_size, chunks.shape[1], tensor.numel(), all_gather=True)
         summed = ring.codec.finish(ring.all_reduce(ring.codec.prepare(chunks, transfer, group)))
         tensor.copy_(summed.reshape(-1)[: tensor.numel()].view_as(tensor))
@@ -114,13 +136,26 @@ def reduce_scatter(
     stats: CompressionStats | None = None,
 ) -> Tensor:
     """``output`` (on rank ``r``) becomes the sum over ``group`` of chunk ``r`` of ``input``, which holds
-    ``world_size`` equal chunks; the compressed counterpart of ``dist.reduce_scatter_tensor`` with SUM."""
+    ``world_size`` equal chunks; the compressed counterpart of ``dist.reduce_scatter_tensor`` with SUM. Takes
+    the exact path, and treats complex and non-finite tensors, as ``all_reduce`` does."""
     world_size = dist.get_world_size(group)
     if input.numel() != world_size * output.numel():
         raise ValueError(
             f"reduce_scatter: input has {input.numel()} elements, expected {world_size} × output ({output.numel()})."
         )
-    if world_size == 1 or input.numel() < min_numel:
+    if input.is_complex():
+        reduce_scatter(
+            torch.view_as_real(output),
+            torch.view_as_real(input),
+            codec=codec,
+            bits=bits,
+            group=group,
+            topology=topology,
+            min_numel=min_numel,
+            stats=stats,
+        )
+        return output
+    if _exact(input, world_size, min_numel):
         _reduce_scatter_single(output, input, group=group)
         _record_plain(stats, input, world_size, factor=1)
         return output
@@ -129,6 +164,7 @@ def reduce_scatter(
     padded = -(-n // ring.codec.block) * ring.codec.block
     chunks = torch.zeros(world_size, padded, dtype=torch.float32, device=input.device)
     chunks[:, :n] = input.reshape(world_size, n)
+    _agree_finite(ring.codec, chunks, group)
     transfer = plan_transfer(topology, world_size, padded, input.numel(), all_gather=False)
     owned = ring.codec.finish(ring.reduce_scatter(ring.codec.prepare(chunks, transfer, group))[None])[0]
     output.copy_(owned[:n].view_as(output))
@@ -141,28 +177,70 @@ def simulate_all_reduce(
 ) -> tuple[Tensor, float]:
     """Runs the compressed all-reduce of ``inputs`` (one tensor per simulated rank) in this process, with one
     thread per rank and in-memory mailboxes: the same code and bytes as the distributed run. Returns rank
-    0's result and the wire bits per coordinate (every rank ends with the same result)."""
+    0's result and the wire bits per coordinate (every rank ends with the same result). Integer, bool and
+    empty tensors and a single rank take the exact sum, as ``all_reduce`` does; an error on any simulated rank
+    stops them all, and the first one raised is raised here."""
     world_size = len(inputs)
+    if inputs[0].is_complex():
+        summed, wire_bits = simulate_all_reduce(
+            [torch.view_as_real(x) for x in inputs], codec=codec, bits=bits, topology=topology
+        )
+        return torch.view_as_complex(summed), wire_bits
+    if _exact(inputs[0], world_size, min_numel=1):
+        exact = torch.stack(inputs).sum(dim=0).to(inputs[0].dtype)
+        return exact, 8.0 * inputs[0].element_size() if world_size > 1 and exact.numel() else 0.0
     codec = make_codec(codec, bits)
     chunks = [_chunks(x, world_size, codec.block) for x in inputs]
+    if not codec.agrees_finite:
+        flags = [int(non_finite_flag(c, rank)) for rank, c in enumerate(chunks)]
+        raise_if_any_non_finite(max(flags), codec.name, world_size)
     transfer = plan_transfer(topology, world_size, chunks[0].shape[1], inputs[0].numel(), all_gather=True)
     domains = codec.prepare_simulated(chunks, transfer)
     mailboxes = {(src, dst): queue.SimpleQueue() for src in range(world_size) for dst in range(world_size)}
+    failures: list[BaseException] = []
 
     def run(rank: int) -> tuple[Tensor, float]:
         def p2p(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
             mailboxes[rank, dst].put(send.clone())
-            recv.copy_(mailboxes[src, rank].get(timeout=600))
+            try:
+                received = mailboxes[src, rank].get(timeout=_SIMULATED_WAIT_S)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"simulated rank {rank} waited {_SIMULATED_WAIT_S} s for a message from rank {src}"
+                ) from None
+            if received is _STOP:
+                raise _Stopped
+            recv.copy_(received)
 
-        ring = _Ring(codec, topology, rank, world_size, p2p)
-        summed = ring.all_reduce(domains[rank])
+        try:
+            ring = _Ring(codec, topology, rank, world_size, p2p)
+            summed = ring.all_reduce(domains[rank])
+        except _Stopped:
+            raise
+        except BaseException as error:
+            failures.append(error)
+            for mailbox in mailboxes.values():  # wakes every rank still waiting, whichever rank it waits for
+                mailbox.put(_STOP)
+            raise
         return summed, ring.wire_bytes
 
     with ThreadPoolExecutor(max_workers=world_size) as pool:
-        results = list(pool.map(run, range(world_size)))
-    summed = codec.finish(results[0][0]).reshape(-1)[: inputs[0].numel()]
-    wire = results[0][1] + codec.side_bytes
-    return summed.view_as(inputs[0]), 8 * wire / transfer.reference_coords
+        futures = [pool.submit(run, rank) for rank in range(world_size)]
+    if failures:
+        raise failures[0]  # the first error; the other ranks only stopped waiting for the rank that raised it
+    summed, wire = futures[0].result()
+    summed = codec.finish(summed).reshape(-1)[: inputs[0].numel()]
+    return summed.view_as(inputs[0]), 8 * (wire + codec.side_bytes) / transfer.reference_coords
+
+
+#: How long a simulated rank waits for a message before calling the simulation deadlocked.
+_SIMULATED_WAIT_S = 600
+#: Put in every mailbox when a simulated rank fails, so that no other rank waits for it.
+_STOP = object()
+
+
+class _Stopped(Exception):
+    """A simulated rank gave up because another one failed."""
 
 
 class _Ring:
@@ -293,6 +371,26 @@ def _chunks(tensor: Tensor, world_size: int, block: int) -> Tensor:
     flat = torch.zeros(world_size * chunk, dtype=torch.float32, device=tensor.device)
     flat[: tensor.numel()] = tensor.reshape(-1)
     return flat.view(world_size, chunk)
+
+
+def _exact(tensor: Tensor, world_size: int, min_numel: int) -> bool:
+    """Whether ``tensor`` takes the plain all-reduce: a group of one, or a tensor too small to gain. Integer and
+    bool tensors too: they hold counts, masks and flags, whose sum must be exact (through a lossy codec nearly every
+    int64 count comes out wrong), and ``dist.all_reduce``, which these collectives stand in for, sums them exactly.
+    DDP and FSDP hand over floating-point gradients only (DDP views complex ones as real)."""
+    return world_size == 1 or tensor.numel() < max(min_numel, 1) or not tensor.is_floating_point()
+
+
+def _agree_finite(codec: Codec, chunks: Tensor, group: ProcessGroup | None) -> None:
+    """Makes every rank raise the same error, before the first message, when any rank's chunks hold NaN or Inf:
+    a rank raising alone would leave the others blocked in the ring until the group's timeout. A one-element
+    all-reduce, except for codecs that fold the flag into a collective of their own; its 8 bytes are control,
+    the same for every tensor, and not counted in the wire bytes."""
+    if codec.agrees_finite:
+        return
+    flag = non_finite_flag(chunks, dist.get_rank(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    raise_if_any_non_finite(int(flag), codec.name, dist.get_world_size(group))
 
 
 def _check_topology(topology: str, world_size: int) -> None:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_fedshard.dynamiq.bitpack import pack_bits_fast, packed_bytes, unpack_bits_fast
-from lightning_fedshard.dynamiq.codec import Codec, Transfer, check_finite, register_codec
+from lightning_fedshard.dynamiq.codec import Codec, Transfer, check_finite, raise_if_any_non_finite, register_codec
 
 __all__ = ["THCCodec", "hadamard_transform", "inverse_rht", "rht"]
 
@@ -89,6 +89,7 @@ class THCCodec(Codec):
     """
 
     name = "thc"
+    agrees_finite = True
 
     def __init__(self, bits: float | None = None, seed: int = 0) -> None:
         super().__init__(bits)
@@ -144,16 +145,21 @@ class THCCodec(Codec):
     # -- summation domain ------------------------------------------------------------------------
 
     def prepare(self, chunks: Tensor, transfer: Transfer, group: ProcessGroup | None) -> Tensor:
-        check_finite(chunks, self.name)
         call = self._next_call()
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(group) if distributed else 0
         y, signs = self._rotate(chunks, call)
-        norm = y.norm().reshape(1).clone()
+        # the range all-reduce carries the finite flag too (no pass of its own): a NaN or Inf anywhere makes the
+        # norm non-finite, and so does a norm beyond fp32, from which no range could be set either
+        norm = y.norm()
+        agreed = torch.stack([norm, torch.where(torch.isfinite(norm), 0.0, rank + 1.0)])
         if distributed:
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
-        self._state = (_clamp_range(float(norm), y.numel()), chunks.shape[-1], transfer.world_size, signs)
-        # the scale all-reduce is a ring all-reduce of one fp32: 2·4·(P-1)/P bytes per rank
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        norm, flag = agreed.tolist()
+        raise_if_any_non_finite(int(flag), self.name, transfer.world_size)
+        self._state = (_clamp_range(norm, y.numel()), chunks.shape[-1], transfer.world_size, signs)
+        # the scale all-reduce is a ring all-reduce of one fp32: 2·4·(P-1)/P bytes per rank (the flag beside it is
+        # control, not counted, as the collectives' own finite agreement is not)
         world = transfer.world_size
         self.side_bytes = 8.0 * (world - 1) / world if distributed else 0.0
         return self._quantize(y, call, rank)
@@ -165,11 +171,13 @@ class THCCodec(Codec):
         world = transfer.world_size
         if len(all_ranks_chunks) != world:
             raise ValueError(f"thc: {len(all_ranks_chunks)} ranks' chunks for a world of {world}.")
-        for chunks in all_ranks_chunks:
-            check_finite(chunks, self.name)
         call = self._next_call()
         rotated = [self._rotate(chunks, call) for chunks in all_ranks_chunks]
-        norm = max(float(y.norm()) for y, _ in rotated)
+        norms = [float(y.norm()) for y, _ in rotated]
+        raise_if_any_non_finite(
+            max((r + 1 for r, n in enumerate(norms) if not math.isfinite(n)), default=0), self.name, world
+        )
+        norm = max(norms)
         self._state = (_clamp_range(norm, rotated[0][0].numel()), all_ranks_chunks[0].shape[-1], world, rotated[0][1])
         self.side_bytes = 8.0 * (world - 1) / world
         return [self._quantize(y, call, rank) for rank, (y, _) in enumerate(rotated)]
