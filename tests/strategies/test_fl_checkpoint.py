@@ -195,3 +195,23 @@ def test_a_rank_killed_in_a_save_under_a_new_name_leaves_it_rejected_as_incomple
         load_meta(second / "epoch=1-step=4.ckpt")
     with pytest.raises(ValueError, match=r"is an incomplete checkpoint: the unfinished save of 'epoch=1-step=4.ckpt'"):
         load_meta(staging)
+
+
+def test_a_non_finite_shard_is_refused_on_every_rank_before_fedavg_spreads_it(tmp_path):
+    poison = {"rank": 1, "step": 2, "param": "net.1.linear.weight"}
+    cfg = {**SMALL, "strategy_kwargs": {**SMALL["strategy_kwargs"], "sync_every": 2}, "max_steps": 4, "poison": poison}
+    result = launch(cfg, tmp_path)
+    assert result.returncode != 0
+    refused = [torch.load(tmp_path / f"refused_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert refused[0]["error"] == refused[1]["error"]
+    assert (
+        "federation group 1 (rank 1): the parameter 'net.1.linear.weight' holds non-finite values"
+        in refused[0]["error"]
+    )
+    assert "FedAvg refused, nothing was sent or written back" in result.stderr
+    assert not torch.isfinite(refused[1]["pre"]["net.1.linear.weight"]).all()
+    # group 0 kept its own finite parameters; group 1 kept its NaN (nothing averaged was written back)
+    for name, value in refused[0]["pre"].items():
+        assert torch.isfinite(value).all() and torch.equal(refused[0]["post"][name], value), name
+    for name, value in refused[1]["pre"].items():
+        torch.testing.assert_close(refused[1]["post"][name], value, rtol=0, atol=0, equal_nan=True)

@@ -101,8 +101,18 @@ def recording(strategy_cls: type, cfg: dict) -> type:
         records: list[dict] = []
 
         def fed_sync(self) -> None:
+            poison = cfg.get("poison")  # {"rank", "step", "param"}: NaN into one local shard before that sync
+            if poison and self.optimizer_steps == poison["step"] and self.global_rank == poison["rank"]:
+                reshard_all(self.model)
+                with torch.no_grad():
+                    dict(self.model.named_parameters())[poison["param"]].to_local().view(-1)[0] = float("nan")
             pre = full_params(self.model)
-            super().fed_sync()
+            try:
+                super().fed_sync()
+            except FloatingPointError as err:
+                refused = {"error": str(err), "pre": pre, "post": full_params(self.model)}
+                torch.save(refused, Path(cfg["out"]) / f"refused_rank{self.global_rank}.pt")
+                raise
             self.records.append({"step": self.optimizer_steps, "pre": pre, "post": full_params(self.model)})
 
     return Recording
