@@ -21,6 +21,7 @@ OUTER_OPTIMIZERS = ("avg", "nesterov")
 SYNC_MODES = ("all_replicas", "leader")
 
 BUCKET_BYTES = 64 * 1024 * 1024
+_MAX_REPORTED = 6  # tensors named when a sync is refused
 
 
 class FedAverager:
@@ -93,11 +94,13 @@ class FedAverager:
         """Runs one cross-group round. Every FSDP module must be resharded first."""
         local_shards = [p.to_local() for _, p in self.named_params]
         if not self._reference:
+            self._refuse_unsafe_average(local_shards, "parameter")
             self._mean_across_groups_(local_shards)
             return
         pseudo_grads = [
             ref - local.to(self._sync_dtype) for ref, local in zip(self._reference, local_shards, strict=True)
         ]
+        self._refuse_unsafe_average(pseudo_grads, "change since the last sync of")
         self._mean_across_groups_(pseudo_grads)
         if self._outer is None:
             for ref, grad in zip(self._reference, pseudo_grads, strict=True):
@@ -109,6 +112,51 @@ class FedAverager:
             self._outer.zero_grad(set_to_none=True)
         for local, ref in zip(local_shards, self._reference, strict=True):
             local.copy_(ref)
+
+    def _refuse_unsafe_average(self, contributions: list[torch.Tensor], what: str) -> None:
+        """Raises on every rank, before anything is sent or written back, when a contribution is not finite or so
+        large that the sum across groups would overflow ``sync_dtype``: its average would poison every group.
+
+        One flag all-reduced over the world keeps the ranks together (a rank that raised alone would leave the
+        others waiting in the next collective); the names are gathered only when a rank flagged one.
+        """
+        num_groups = dist.get_world_size(self._fed_group)
+        limit = torch.finfo(self._sync_dtype).max / num_groups
+        peaks = torch.stack(
+            [
+                torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
+                if t.numel()
+                else t.new_zeros((), dtype=torch.float32)
+                for t in contributions
+            ]
+        )
+        unsafe = ~(peaks <= limit)  # NaN compares false
+        flag = unsafe.any().to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        group, rank = dist.get_rank(self._fed_group), dist.get_rank()
+        found = [
+            f"federation group {group} (rank {rank}): the {what} {name!r} "
+            + (
+                "holds non-finite values (NaN or inf)"
+                if not torch.isfinite(peak)
+                else f"holds values up to {peak.item():.3g}, too large to average over {num_groups} groups in"
+                f" {self._sync_dtype}"
+            )
+            for (name, _), peak, bad in zip(self.named_params, peaks.cpu(), unsafe.cpu(), strict=True)
+            if bad
+        ]
+        reports: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(reports, found)
+        lines = list(dict.fromkeys(line for lines in reports for line in lines))
+        shown = "; ".join(lines[:_MAX_REPORTED]) + (
+            f"; and {len(lines) - _MAX_REPORTED} more" if lines[_MAX_REPORTED:] else ""
+        )
+        raise FloatingPointError(
+            "FedAvg refused, nothing was sent or written back; averaging would spread these values to every group: "
+            + shown
+        )
 
     def _mean_across_groups_(self, tensors: list[torch.Tensor]) -> None:
         for bucket in _buckets(tensors, BUCKET_BYTES // self._sync_dtype.itemsize):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -48,10 +49,14 @@ from lightning_fedshard.strategies.dims import FedShardDims
 from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
-    META_FILENAME,
+    FILES_KEY,
+    describe_group_share,
+    finish_save,
     load_group_state,
     load_meta,
     save_group_state,
+    staging_dir,
+    verify_group_files,
 )
 from lightning_fedshard.strategies.ledger import TIERS, CommLedger, install_fsdp_counters
 
@@ -357,21 +362,36 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Saves into a staging folder beside ``filepath``, verifies every group's files, writes the manifest and
+        renames the folder into place: an interrupted save leaves any earlier checkpoint of that name intact."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
+        target, token = self.broadcast((str(filepath), uuid.uuid4().hex))
+        path = Path(target)
+        staging = staging_dir(path, token)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self._averager is not None:
             state["outer"] = self._averager.state_dict()
-        save_group_state(path, self.group_index, state, self._group_pg)
-        checkpoint[FEDSHARD_KEY] = self._fedshard_meta()
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / META_FILENAME)
-        self.barrier()
+        files, failure = _attempt(self._save_group_share, staging, state)
+        shares: list[Any] = [None] * self.world_size
+        dist.all_gather_object(shares, (files, _message(failure)))
+        errors = [error for _, error in shares if error]
+        if self.global_rank == 0 and not errors:
+            every_file = {name: entry for group_files, _ in shares for name, entry in group_files.items()}
+            meta = {**checkpoint, FEDSHARD_KEY: self._fedshard_meta()}
+            _, failure = _attempt(finish_save, staging, path, meta, every_file)
+            errors = [_message(failure)] if failure else []
+        errors = self.broadcast(errors)
+        if errors:
+            raise RuntimeError(
+                f"Saving the checkpoint {target!r} failed, so it was not written (an earlier checkpoint of that name is"
+                f" kept): {' | '.join(dict.fromkeys(errors))}"
+            ) from failure
+
+    def _save_group_share(self, staging: Path, state: dict[str, Any]) -> dict[str, list[int | str]]:
+        save_group_state(staging, self.group_index, state, self._group_pg)
+        return describe_group_share(staging, self.group_index, *self._group_share())
 
     def _fedshard_meta(self) -> dict[str, Any]:
         dims = self.dims
@@ -391,12 +411,19 @@ class FLHSDPStrategy(ModelParallelStrategy):
         meta = load_meta(path)
         saved = meta.pop(FEDSHARD_KEY)
         self._check_checkpoint_layout(saved, path)
+        if FILES_KEY in saved:
+            self._agree(verify_group_files, path, self.group_index, saved[FILES_KEY], *self._group_share())
+        else:
+            rank_zero_warn(
+                f"The checkpoint {str(path)!r} has no file checksums (it was saved by an earlier lightning_fedshard):"
+                " its files are checked for presence, length and finite values only."
+            )
         assert self.model is not None
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
         if self._averager is not None:
             state["outer"] = self._averager.state_dict()
-        load_group_state(path, self.group_index, state, self._group_pg)
+        self._agree(load_group_state, path, self.group_index, state, self._group_pg)
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
@@ -406,6 +433,27 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self._steps_at_last_sync = saved["steps_at_last_sync"]
         self.syncs = saved["syncs"]
         return meta
+
+    def _group_share(self) -> tuple[int, int]:
+        """This rank's position in its federation group and the group's size: which files it hashes."""
+        return dist.get_rank(self._group_pg), dist.get_world_size(self._group_pg)
+
+    def _agree(self, check: Callable[..., None], *args: Any) -> None:
+        """Runs ``check`` on every rank and raises on every rank if it failed on any: a rank that raised alone
+        would leave the others waiting in the next collective."""
+        _, failure = _attempt(check, *args)
+        messages: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(messages, _message(failure))
+        ranks_by_message: dict[str, list[int]] = {}
+        for rank, message in enumerate(messages):
+            if message:
+                ranks_by_message.setdefault(message, []).append(rank)
+        if ranks_by_message:
+            raise ValueError(
+                "\n".join(
+                    f"[rank {', '.join(map(str, ranks))}] {message}" for message, ranks in ranks_by_message.items()
+                )
+            ) from failure
 
     def _check_checkpoint_layout(self, saved: dict[str, Any], path: Path) -> None:
         dims = self.dims
@@ -434,6 +482,19 @@ class FLHSDPStrategy(ModelParallelStrategy):
         super().teardown()
         if self._process_group_backend == "gloo" and not self._failed:
             destroy_process_group_at_exit()
+
+
+def _attempt(action: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    try:
+        return action(*args), None
+    except Exception as err:  # noqa: BLE001  (every rank learns of it and raises, see FLHSDPStrategy._agree)
+        return None, err
+
+
+def _message(error: Exception | None) -> str | None:
+    if error is None:
+        return None
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
 def _resolve_dtype(dtype: str | torch.dtype, owner: str) -> torch.dtype:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
+from lightning_fedshard.strategies.group_checkpoint import load_meta
 from tests.strategies.conftest import launch, load_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -120,3 +122,96 @@ def test_fl_hsdp_mid_round_resume_restores_each_group_and_replica(tmp_path):
         for name in a["final"]:
             torch.testing.assert_close(b["final"][name], a["final"][name], rtol=1e-6, atol=1e-7)
         assert [s["step"] for s in b["syncs"]] == [8]
+
+
+# Two groups of one rank each: 2 ranks × batch 4 over 16 samples, 2 steps per epoch.
+SMALL = {
+    "strategy": "fl_fsdp",
+    "strategy_kwargs": {"num_groups": 2, "sync_every": 4, "auto_wrap": ["__main__.Block"]},
+    "devices": 2,
+    "lr": 0.01,
+    "optimizer": "adamw",
+    "batch_size": 4,
+    "num_samples": 16,
+}
+
+
+@pytest.fixture(scope="module")
+def torn_saves(tmp_path_factory) -> dict[str, Path]:
+    """Rank 1 is SIGKILLed while last.ckpt is rewritten; a resume from it is SIGKILLed in a save under a new name."""
+    root = tmp_path_factory.mktemp("torn")
+    first, second = root / "first" / "ckpt", root / "second" / "ckpt"
+    # saves at step 2: epoch=0-step=2.ckpt, last.ckpt; at step 4: epoch=1-step=4.ckpt, then last.ckpt again (killed)
+    killed = {**SMALL, "max_steps": 6, "checkpoint_every": 2, "checkpoint_dir": str(first), "save_last": True}
+    result = launch({**killed, "kill_in_save": {"rank": 1, "save": 4}}, root / "first")
+    assert result.returncode != 0, "the run was meant to be killed"
+    resumed = {**SMALL, "max_steps": 4, "checkpoint_every": 2, "checkpoint_dir": str(second), "record_start": True}
+    result = launch(
+        {**resumed, "resume_from": str(first / "last.ckpt"), "kill_in_save": {"rank": 1, "save": 1}}, root / "second"
+    )
+    assert result.returncode != 0, "the run was meant to be killed"
+    return {"first": first, "second": second, "second_out": root / "second"}
+
+
+def _saved_params(checkpoint: Path, group: int) -> dict[str, torch.Tensor]:
+    """The model of one group, read in this process with plain DCP (independent of the strategy's loader)."""
+    folder = checkpoint / f"group{group}"
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    state = {
+        "state_dict": {
+            fqn.removeprefix("state_dict."): torch.zeros(md.size)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.startswith("state_dict.")
+        }
+    }
+    dcp.load(state, checkpoint_id=folder)
+    return state["state_dict"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_rank_killed_while_last_ckpt_is_rewritten_leaves_the_previous_one_loadable(torn_saves):
+    first = torn_saves["first"]
+    (staging,) = first.glob(".last.ckpt.incomplete-*")
+    saved = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in first.iterdir() if p != staging) == saved
+    assert load_meta(first / "last.ckpt")["fedshard"]["optimizer_steps"] == 2
+    with pytest.raises(ValueError, match=r"is an incomplete checkpoint: the unfinished save of 'last.ckpt'"):
+        load_meta(staging)
+    # the resume loaded it: each group restarted from its own step-2 parameters
+    for rank in (0, 1):
+        start = torch.load(torn_saves["second_out"] / f"start_rank{rank}.pt", weights_only=True)
+        assert start["optimizer_steps"] == 2
+        step2 = _saved_params(first / "epoch=0-step=2.ckpt", group=rank)
+        assert start["initial"].keys() == step2.keys()
+        for name, value in step2.items():
+            assert torch.equal(start["initial"][name], value), (rank, name)
+
+
+def test_a_rank_killed_in_a_save_under_a_new_name_leaves_it_rejected_as_incomplete(torn_saves):
+    second = torn_saves["second"]
+    (staging,) = second.iterdir()
+    assert staging.name.startswith(".epoch=1-step=4.ckpt.incomplete-")
+    with pytest.raises(FileNotFoundError, match=r"step=4.ckpt' does not exist: its save was interrupted, so it is"):
+        load_meta(second / "epoch=1-step=4.ckpt")
+    with pytest.raises(ValueError, match=r"is an incomplete checkpoint: the unfinished save of 'epoch=1-step=4.ckpt'"):
+        load_meta(staging)
+
+
+def test_a_non_finite_shard_is_refused_on_every_rank_before_fedavg_spreads_it(tmp_path):
+    poison = {"rank": 1, "step": 2, "param": "net.1.linear.weight"}
+    cfg = {**SMALL, "strategy_kwargs": {**SMALL["strategy_kwargs"], "sync_every": 2}, "max_steps": 4, "poison": poison}
+    result = launch(cfg, tmp_path)
+    assert result.returncode != 0
+    refused = [torch.load(tmp_path / f"refused_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert refused[0]["error"] == refused[1]["error"]
+    assert (
+        "federation group 1 (rank 1): the parameter 'net.1.linear.weight' holds non-finite values"
+        in refused[0]["error"]
+    )
+    assert "FedAvg refused, nothing was sent or written back" in result.stderr
+    assert not torch.isfinite(refused[1]["pre"]["net.1.linear.weight"]).all()
+    # group 0 kept its own finite parameters; group 1 kept its NaN (nothing averaged was written back)
+    for name, value in refused[0]["pre"].items():
+        assert torch.isfinite(value).all() and torch.equal(refused[0]["post"][name], value), name
+    for name, value in refused[1]["pre"].items():
+        torch.testing.assert_close(refused[1]["post"][name], value, rtol=0, atol=0, equal_nan=True)

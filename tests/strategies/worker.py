@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -95,26 +96,59 @@ def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def recording(strategy_cls: type) -> type:
+def recording(strategy_cls: type, cfg: dict) -> type:
     class Recording(strategy_cls):
         records: list[dict] = []
 
         def fed_sync(self) -> None:
+            poison = cfg.get("poison")  # {"rank", "step", "param"}: NaN into one local shard before that sync
+            if poison and self.optimizer_steps == poison["step"] and self.global_rank == poison["rank"]:
+                reshard_all(self.model)
+                with torch.no_grad():
+                    dict(self.model.named_parameters())[poison["param"]].to_local().view(-1)[0] = float("nan")
             pre = full_params(self.model)
-            super().fed_sync()
+            try:
+                super().fed_sync()
+            except FloatingPointError as err:
+                refused = {"error": str(err), "pre": pre, "post": full_params(self.model)}
+                torch.save(refused, Path(cfg["out"]) / f"refused_rank{self.global_rank}.pt")
+                raise
             self.records.append({"step": self.optimizer_steps, "pre": pre, "post": full_params(self.model)})
 
     return Recording
 
 
+def kill_during_save(save: int) -> None:
+    """SIGKILLs this rank in its ``save``-th checkpoint save, right after it wrote its own shard files."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+    saves = 0
+
+    def write_then_die(self, plan, planner):
+        nonlocal saves
+        written = write_data(self, plan, planner)
+        written.wait()
+        saves += 1
+        if saves == save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    FileSystemWriter.write_data = write_then_die
+
+
 class StepRecorder(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
         self.initial: dict[str, torch.Tensor] = {}
         self.params: list[dict[str, torch.Tensor]] = []
         self.ledger: list[dict[str, float]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.initial = full_params(trainer.strategy.model)
+        if self.cfg.get("record_start"):  # for runs that do not reach the end
+            start = {"initial": self.initial, "optimizer_steps": trainer.strategy.optimizer_steps}
+            torch.save(start, Path(self.cfg["out"]) / f"start_rank{trainer.global_rank}.pt")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.params.append(full_params(trainer.strategy.model))
@@ -125,14 +159,22 @@ class StepRecorder(pl.Callback):
 def checkpoint_callbacks(cfg: dict) -> list[pl.Callback]:
     if not cfg.get("checkpoint_every"):
         return []
-    return [ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg["checkpoint_every"], save_top_k=-1)]
+    checkpoint = ModelCheckpoint(
+        dirpath=cfg["checkpoint_dir"],
+        every_n_train_steps=cfg["checkpoint_every"],
+        save_top_k=-1,
+        save_last=cfg.get("save_last"),
+    )
+    return [checkpoint]
 
 
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    if cfg.get("kill_in_save") and cfg["kill_in_save"]["rank"] == int(os.environ.get("LOCAL_RANK", "0")):
+        kill_during_save(cfg["kill_in_save"]["save"])
     entry = StrategyRegistry[cfg["strategy"]]
-    strategy = recording(entry["strategy"])(**{**entry["init_params"], **cfg.get("strategy_kwargs", {})})
-    recorder = StepRecorder()
+    strategy = recording(entry["strategy"], cfg)(**{**entry["init_params"], **cfg.get("strategy_kwargs", {})})
+    recorder = StepRecorder(cfg)
     module = Regression(cfg)
     trainer = pl.Trainer(
         accelerator="cpu",
