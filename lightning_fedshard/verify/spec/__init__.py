@@ -1,7 +1,6 @@
 """Verification specifications: VNN-LIB 1.0 properties and VNN-COMP counterexamples / result files."""
 
 from lightning_fedshard.verify.spec.counterexample import (
-    VERDICTS,
     CheckResult,
     Counterexample,
     check_counterexample,
@@ -22,7 +21,6 @@ from lightning_fedshard.verify.spec.vnnlib import (
 )
 
 __all__ = [
-    "VERDICTS",
     "Case",
     "CheckResult",
     "Counterexample",
