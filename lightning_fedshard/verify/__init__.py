@@ -19,6 +19,7 @@ from lightning_fedshard.verify.instances import Instance, read_instances, run_in
 from lightning_fedshard.verify.lightning import VerificationModule, VnncompInstances, run_predict
 from lightning_fedshard.verify.memory import PeakMemoryMeter
 from lightning_fedshard.verify.onnx_loader import OnnxLoadError, load_onnx
+from lightning_fedshard.verify.phases import CasePhases
 from lightning_fedshard.verify.result import RankReport, VerificationResult
 from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode
 from lightning_fedshard.verify.spec import (
@@ -26,6 +27,7 @@ from lightning_fedshard.verify.spec import (
     Property,
     VnnlibError,
     check_counterexample,
+    local_robustness,
     read_vnnlib,
     write_result,
 )
@@ -33,6 +35,7 @@ from lightning_fedshard.verify.verifier import verify, verify_files
 
 __all__ = [
     "BoundGraph",
+    "CasePhases",
     "Counterexample",
     "Instance",
     "Method",
@@ -52,6 +55,7 @@ __all__ = [
     "VnnlibError",
     "check_counterexample",
     "load_onnx",
+    "local_robustness",
     "read_instances",
     "read_vnnlib",
     "run_instance",
