@@ -213,3 +213,23 @@ def test_a_load_error_on_any_rank_raises_on_every_rank(files, monkeypatch):
     plan = types.SimpleNamespace(sharded=True, group=None)
     with pytest.raises(InstanceLoadError, match="rank 1 of the sharded group could not load the instance: OnnxLoad"):
         verify_files(*files, VerifyConfig(timeout=10), plan)
+
+
+def test_the_first_attack_on_thousands_of_disjuncts_takes_fewer_restarts(files, tmp_path, monkeypatch):
+    # 10,000 restarts × 49,152 rows made one attack step take 47 s of a 5 s timeout
+    from lightning_fedshard.verify import verifier
+
+    calls = []
+
+    def recording(graph, spec, box, restarts, *args, **kwargs):
+        calls.append((spec.num_rows, restarts))
+        return attack(graph, spec, box, restarts, *args, **kwargs)
+
+    attack = verifier.pgd_attack
+    monkeypatch.setattr(verifier, "pgd_attack", recording)
+    prop = tmp_path / "product.vnnlib"
+    prop.write_text(and_of_ors(12))
+    config = VerifyConfig(attack_steps=2)
+    assert verify_files(files[0], files[1], config).verdict is Verdict.UNSAT
+    assert verify_files(files[0], prop, config).verdict is Verdict.UNSAT  # only the OR for i = 0 is ever met
+    assert calls == [(1, 10_000), (12 * 4096, verifier.ATTACK_MARGINS // (12 * 4096))]
