@@ -32,18 +32,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_fedshard.verify.bab.domains import DomainBatch
-from lightning_fedshard.verify.bounds.alpha import alpha_crown
-from lightning_fedshard.verify.bounds.beta import beta_crown
-from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
-from lightning_fedshard.verify.graph import BoundGraph, Node
-from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
-from lightning_fedshard.verify.objective import OutputSpec, box_tensor
-from lightning_fedshard.verify.onnx_loader import load_onnx
+from lightning_fedshard.verify import (
+    BoundGraph,
+    CasePhases,
+    Node,
+    PeakMemoryMeter,
+    Property,
+    ShardPlan,
+    load_onnx,
+    local_robustness,
+)
 from lightning_fedshard.verify.ops import Linear, ReLU
-from lightning_fedshard.verify.shard.lockstep import lockstep
-from lightning_fedshard.verify.shard.plan import ShardPlan
-from lightning_fedshard.verify.spec import Property, local_robustness
 
 __all__ = ["MemoryRow", "main", "random_mlp"]
 
@@ -122,28 +121,20 @@ class MemoryRow:
 
 def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks: int, rank: int) -> MemoryRow:
     """One rank's baseline, root and branch-and-bound memory for ``graph`` (already sharded by ``plan``)."""
-    prop = _property(graph)
-    case = prop.cases[0]
-    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
-    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
-    resident = tensor_bytes(graph.constants())
-    with lockstep(plan.lockstep_group):
+    phases = CasePhases(graph, _property(graph).cases[0], plan)
+    resident = phases.resident_bytes()
+    with phases.lockstep():
         start = time.monotonic()
-        with PeakMemoryMeter(graph.device, resident) as crown_meter, torch.no_grad():
+        with PeakMemoryMeter(graph.device, resident) as crown_meter:
             crown_meter.mark_baseline()
-            bounds = intermediate_bounds(graph, box, partition=plan.partition)
-            spec_lower(graph, spec.rows(1), box, bounds, partition=plan.partition)
-        del bounds
+            phases.crown()
         with PeakMemoryMeter(graph.device, resident) as alpha_meter:
-            root = alpha_crown(graph, box, spec.rows(1), ALPHA_ITERATIONS, partition=plan.partition)
+            root = phases.alpha(ALPHA_ITERATIONS)
         root_time = time.monotonic() - start
-        # Row-parallel branch-and-bound deals its domains out: each rank bounds its share.
-        share = plan.partition.counts(BAB_DOMAINS)[plan.partition.rank] if plan.partition else BAB_DOMAINS
-        domains = DomainBatch.at_root(graph, spec, root).repeat(share)
-        group = None if plan.row_parallel else plan.lockstep_group
+        domains = phases.root_domains(root, BAB_DOMAINS)
         start = time.monotonic()
-        with lockstep(group), PeakMemoryMeter(graph.device, resident + _domain_bytes(domains)) as bab_meter:
-            beta_crown(graph, box, spec.rows(share), domains, BETA_ITERATIONS)
+        with PeakMemoryMeter(graph.device, resident + phases.domain_bytes(domains)) as bab_meter:
+            phases.bab_batch(domains, BETA_ITERATIONS)
         bab_time = time.monotonic() - start
     return MemoryRow(
         name,
@@ -157,11 +148,6 @@ def measure(name: str, graph: BoundGraph, strategy: str, plan: ShardPlan, ranks:
         root_time,
         bab_time,
     )
-
-
-def _domain_bytes(domains: DomainBatch) -> int:
-    """Bytes of a domain batch (its bounds, splits, α and β), resident while the batch is bounded."""
-    return tensor_bytes(t for t, _ in domains._leaves())
 
 
 def _rank(rank: int, ranks: int, port: int, strategy: str, kwargs: dict, quick: bool, out: str) -> None:

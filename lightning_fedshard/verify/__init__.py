@@ -7,33 +7,43 @@ Example::
     result = verify_files("mnist-net_256x2.onnx", "prop_0_0.03.vnnlib", VerifyConfig(timeout=120))
     result.verdict            # Verdict.UNSAT
     result.root_margins       # lower bounds of every disjunct row
+
+Every way of running an instance answers with one :class:`VerificationResult` (``verdict`` ``error`` included):
+:func:`verify`, :func:`verify_files`, :func:`run_instance` (a benchmark row), the predict loop's
+:func:`run_predict` (``per_rank``: each rank's :class:`RankReport`).
 """
 
 from lightning_fedshard.verify.config import Method, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph, Node
-from lightning_fedshard.verify.instances import read_instances, run_instances
+from lightning_fedshard.verify.instances import Instance, read_instances, run_instance, run_instances
 from lightning_fedshard.verify.lightning import VerificationModule, VnncompInstances, run_predict
 from lightning_fedshard.verify.memory import PeakMemoryMeter
 from lightning_fedshard.verify.onnx_loader import OnnxLoadError, load_onnx
+from lightning_fedshard.verify.phases import CasePhases
+from lightning_fedshard.verify.result import RankReport, VerificationResult
 from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode
 from lightning_fedshard.verify.spec import (
     Counterexample,
     Property,
     VnnlibError,
     check_counterexample,
+    local_robustness,
     read_vnnlib,
     write_result,
 )
-from lightning_fedshard.verify.verifier import VerificationResult, verify, verify_files
+from lightning_fedshard.verify.verifier import verify, verify_files
 
 __all__ = [
     "BoundGraph",
+    "CasePhases",
     "Counterexample",
+    "Instance",
     "Method",
     "Node",
     "OnnxLoadError",
     "PeakMemoryMeter",
     "Property",
+    "RankReport",
     "ShardPlan",
     "Strategy",
     "TensorParallelMode",
@@ -45,8 +55,10 @@ __all__ = [
     "VnnlibError",
     "check_counterexample",
     "load_onnx",
+    "local_robustness",
     "read_instances",
     "read_vnnlib",
+    "run_instance",
     "run_instances",
     "run_predict",
     "verify",

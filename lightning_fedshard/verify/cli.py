@@ -8,26 +8,25 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from lightning_fedshard.verify.config import BabMode, Method, Refine, VerifyConfig
+from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig, check_timeout
 from lightning_fedshard.verify.instances import (
     Instance,
-    InstanceResult,
     read_expected,
     read_instances,
     read_results,
     reference_results,
+    run_instance,
     run_instances,
     score_answer,
     select_instances,
     summarise,
     write_results,
 )
+from lightning_fedshard.verify.result import VerificationResult
 from lightning_fedshard.verify.shard.plan import Strategy, TensorParallelMode
-from lightning_fedshard.verify.spec import Counterexample, write_result
-from lightning_fedshard.verify.verifier import REPORT_FIELDS, verify_files
+from lightning_fedshard.verify.spec import write_result
 
 __all__ = ["main"]
 
@@ -39,12 +38,18 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  fedshard verify net.onnx prop.vnnlib --timeout 120 --result out.txt --report r.json\n"
         "  fedshard verify --instances mnist_fc/instances.csv --results results.csv\n"
         "  fedshard verify net.onnx prop.vnnlib --strategy fsdp --devices 2 --report r.json\n"
-        "  fedshard verify --instances mnist_fc/instances.csv --strategy tp --devices 4 --group-size 2",
+        "  fedshard verify --instances mnist_fc/instances.csv --strategy tp --devices 4 --group-size 2\n\n"
+        "exit status: 0; 1 if an answer is wrong (it contradicts the expected verdict, or a sat has no counterexample "
+        "that replays); 2 for bad input, or an instance that could not be verified (after every row is written)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("onnx", nargs="?", help="ONNX model (.onnx or .onnx.gz)")
     parser.add_argument("vnnlib", nargs="?", help="VNN-LIB property (.vnnlib or .vnnlib.gz)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds (default 120; per instance from the CSV)")
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        help=f"seconds, positive and finite (default {VerifyConfig.timeout:g}; with --instances: each row's own)",
+    )
     parser.add_argument("--result", type=Path, help="write the VNN-COMP result file here")
     parser.add_argument("--report", type=Path, help="write root bounds, deciding method, times and memory as JSON")
     parser.add_argument("--instances", type=Path, help="a VNN-COMP instances.csv (onnx,vnnlib,timeout rows)")
@@ -117,6 +122,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    try:
+        return check_timeout(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}") from None
+
+
+def _check_writable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every file the run will write can be written: an argparse error now, not after the verdict is computed."""
+    for option, path in (("--result", args.result), ("--report", args.report), ("--results", args.results)):
+        if path is None:
+            continue
+        if path.is_dir():
+            parser.error(f"{option} {path}: is a directory")
+        if not path.parent.is_dir():
+            parser.error(f"{option} {path}: no such directory {path.parent}")
+        if not os.access(path if path.exists() else path.parent, os.W_OK):
+            parser.error(f"{option} {path}: permission denied")
+
+
 def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Bad combinations of the parallel options: an argparse error, before any process starts."""
     if args.devices < 1:
@@ -145,17 +170,34 @@ def _parallel(args: argparse.Namespace) -> bool:
 
 
 def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
-    result = verify_files(args.onnx, args.vnnlib, config)
+    instance = Instance(Path(args.onnx), Path(args.vnnlib), config.timeout)
+    if not _parallel(args):
+        return _answer(args, run_instance(instance, config))
+    results = _run_parallel(args, config, [instance])
+    if results is None:  # not rank 0: rank 0 answers
+        return 0
+    (result,) = results
+    return _answer(args, result, f"  [{args.strategy}, {args.devices} devices]")
+
+
+def _answer(args: argparse.Namespace, result: VerificationResult, note: str = "") -> int:
+    """Print the answer for one instance and write its result file and report; 2 if it could not be verified."""
+    if result.verdict is Verdict.ERROR:
+        print(f"fedshard verify: error: {result.error}", file=sys.stderr)
+        return 2
     line = f"{result.verdict.value}  ({result.decided_by or 'undecided'}, {sum(result.times.values()):.2f} s)"
     if result.counterexample_check:
         line += f"  counterexample check: {result.counterexample_check}"
     if result.reason:
         line += f"  [{result.reason}]"
-    print(line)
+    print(line + note)
     if args.result:
-        write_result(args.result, result.verdict.value, result.counterexample)
+        write_result(args.result, result.verdict, result.counterexample)
     if args.report:
-        args.report.write_text(json.dumps(result.to_report(), indent=2) + "\n")
+        report = result.to_report()
+        if _parallel(args):
+            report.update(strategy=args.strategy, devices=args.devices)
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -166,30 +208,49 @@ def _selected_instances(args: argparse.Namespace) -> list[Instance]:
         raise ValueError(f"{args.instances}: {error}") from None
 
 
-def _expected(args: argparse.Namespace) -> tuple[Path, dict]:
+def _expected(args: argparse.Namespace) -> tuple[Path, dict[tuple[str, str], str]]:
     """The expected-verdicts file of a benchmark folder and its verdicts (none if there is no such file)."""
     path = args.expected or args.instances.parent / "expected_verdicts.csv"
     return path, read_expected(path) if path.is_file() else {}
 
 
-def _print_row(row: InstanceResult) -> None:
-    note = f"  [{row.error or row.reason}]" if row.error or row.reason else ("  WRONG" if row.wrong else "")
-    print(f"{row.onnx} {row.vnnlib}: {row.verdict} in {row.time_s:.2f} s {row.decided_by}{note}", flush=True)
+def _names(result: VerificationResult) -> tuple[str, str]:
+    return Path(result.onnx).name, Path(result.vnnlib).name
+
+
+def _print_row(result: VerificationResult, expected: dict[tuple[str, str], str]) -> None:
+    wrong, _ = score_answer(result, expected.get(_names(result), ""))
+    problem = result.error or result.reason
+    note = f"  [{problem}]" if problem else ("  WRONG" if wrong else "")
+    onnx, vnnlib = _names(result)
+    print(
+        f"{onnx} {vnnlib}: {result.verdict.value} in {result.time_s:.2f} s {result.decided_by or ''}{note}", flush=True
+    )
 
 
 def _benchmark(args: argparse.Namespace, config: VerifyConfig) -> int:
+    """Every instance of the CSV, one process (each row printed and written as it is decided) or the predict
+    loop; then the tables."""
     instances = _selected_instances(args)
     expected_path, expected = _expected(args)
+    if _parallel(args):
+        results = _run_parallel(args, config, instances)
+        if results is None:  # not rank 0
+            return 0
+    else:
+        results = run_instances(instances, config)
     rows = []
-    for row in run_instances(instances, config, expected):
-        rows.append(row)
-        _print_row(row)
+    for result in results:
+        rows.append(result)
+        _print_row(result, expected)
         if args.results:
-            write_results(args.results, rows)
-    return _tables(rows, expected_path, args.by)
+            write_results(args.results, rows, expected)
+    return _tables(rows, expected, expected_path, args.by)
 
 
-def _run_parallel(args: argparse.Namespace, config: VerifyConfig, instances: list[Instance]) -> list[dict] | None:
+def _run_parallel(
+    args: argparse.Namespace, config: VerifyConfig, instances: list[Instance]
+) -> list[VerificationResult] | None:
     """The Lightning predict loop over ``instances``: merged results on rank 0, ``None`` on the other ranks."""
     import logging
 
@@ -211,80 +272,23 @@ def _run_parallel(args: argparse.Namespace, config: VerifyConfig, instances: lis
     )
 
 
-def _entry_counterexample(entry: dict) -> Counterexample | None:
-    if entry.get("counterexample") is None:
-        return None
-    return Counterexample(np.asarray(entry["counterexample"], dtype=np.float64), np.asarray(entry["counterexample_y"]))
-
-
-def _single_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
-    results = _run_parallel(args, config, [Instance(Path(args.onnx), Path(args.vnnlib), config.timeout)])
-    if results is None:  # not rank 0: rank 0 reports
-        return 0
-    (entry,) = results
-    if entry["verdict"] == "error":
-        print(f"fedshard verify: error: {entry['error']}", file=sys.stderr)
-        return 2
-    total = sum(entry["times_s"].values())
-    line = f"{entry['verdict']}  ({entry['decided_by'] or 'undecided'}, {total:.2f} s)"
-    if entry["counterexample_check"]:
-        line += f"  counterexample check: {entry['counterexample_check']}"
-    print(line + f"  [{args.strategy}, {args.devices} devices]")
-    if args.result:
-        write_result(args.result, entry["verdict"], _entry_counterexample(entry))
-    if args.report:
-        report = {key: entry[key] for key in REPORT_FIELDS}
-        report["total_time_s"] = total
-        if entry["counterexample_check"]:
-            report["counterexample_check"] = entry["counterexample_check"]
-        if entry.get("reason"):
-            report["reason"] = entry["reason"]
-        report.update(strategy=args.strategy, devices=args.devices, per_rank=entry["per_rank"])
-        args.report.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
-
-
-def _benchmark_parallel(args: argparse.Namespace, config: VerifyConfig) -> int:
-    instances = _selected_instances(args)
-    expected_path, expected = _expected(args)
-    results = _run_parallel(args, config, instances)
-    if results is None:  # not rank 0
-        return 0
-    rows = []
-    for entry in results:
-        onnx, vnnlib = Path(entry["onnx"]).name, Path(entry["vnnlib"]).name
-        check = entry.get("counterexample_check") or ""
-        row = InstanceResult(
-            onnx,
-            vnnlib,
-            entry["verdict"],
-            round(max((r["time_s"] for r in entry["per_rank"]), default=0.0), 3),
-            decided_by=entry.get("decided_by") or "",
-            counterexample_ok=("yes" if check == "ok" else f"no: {check}") if check else "",
-            expected=expected.get((onnx, vnnlib), ""),
-            error=entry.get("error") or "",
-            reason=entry.get("reason") or "",
-        )
-        row.wrong, row.score = score_answer(row.verdict, row.expected, row.counterexample_ok)
-        rows.append(row)
-        _print_row(row)
-    if args.results:
-        write_results(args.results, rows)
-    return _tables(rows, expected_path, args.by)
-
-
-def _tables(rows: list, expected_path: Path, by: str = "network") -> int:
-    """Print our table, and α,β-CROWN's next to ours on the instances it has a published result for."""
-    print(summarise(rows, by))
-    reference = reference_results(expected_path, rows) if expected_path.is_file() else []
+def _tables(
+    results: list[VerificationResult], expected: dict[tuple[str, str], str], expected_path: Path, by: str = "network"
+) -> int:
+    """Print our table, and α,β-CROWN's next to ours on the instances it has a published result for; the exit
+    status: 1 if an answer is wrong, else 2 if an instance could not be verified, else 0."""
+    print(summarise(results, expected, by))
+    reference = reference_results(expected_path, results) if expected_path.is_file() else []
     if reference:
-        published = {(r.onnx, r.vnnlib) for r in reference}
+        published = {_names(r) for r in reference}
         print(
             f"\non the {len(reference)} instances with a published α,β-CROWN result (its times include ~7 s start-up):"
         )
-        print("ours\n" + summarise([r for r in rows if (r.onnx, r.vnnlib) in published], by))
-        print("α,β-CROWN (VNN-COMP 2022)\n" + summarise(reference, by))
-    return 1 if any(row.wrong for row in rows) else 0
+        print("ours\n" + summarise([r for r in results if _names(r) in published], expected, by))
+        print("α,β-CROWN (VNN-COMP 2022)\n" + summarise(reference, read_expected(expected_path), by))
+    if any(score_answer(r, expected.get(_names(r), ""))[0] for r in results):
+        return 1
+    return 2 if any(r.verdict is Verdict.ERROR for r in results) else 0
 
 
 #: Seconds a single-instance run keeps for what follows the search: the result file, a counterexample's replay,
@@ -309,16 +313,19 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
     parser = _parser()
     args = parser.parse_args(argv)
     if args.summarise:
-        rows = [row for path in args.summarise for row in read_results(path)]
-        return _tables(rows, args.expected or Path(args.summarise[0]).parent / "expected_verdicts.csv", args.by)
+        results = [result for path in args.summarise for result in read_results(path)]
+        scored = {key: verdict for path in args.summarise for key, verdict in read_expected(path).items() if verdict}
+        published = args.expected or Path(args.summarise[0]).parent / "expected_verdicts.csv"
+        return _tables(results, scored, published, args.by)
     if args.instances is None and (args.onnx is None or args.vnnlib is None):
         parser.error("give ONNX and VNNLIB, or --instances CSV")
     if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):
         parser.error("--instances runs a whole folder: do not also give ONNX/VNNLIB/--result/--report")
     _check_parallel(parser, args)
+    _check_writable(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    timeout = args.timeout or 120.0
+    timeout = VerifyConfig.timeout if args.timeout is None else args.timeout
     if args.instances is None and (argv is None if startup_counts is None else startup_counts):
         # One instance: the timeout is a promise about the whole process, so start-up counts against it, and so
         # do writing the answer and the interpreter's exit after the search stops.
@@ -334,8 +341,6 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
             seed=args.seed,
             measure_memory=args.report is not None or args.measure_memory,  # the report holds memory peaks
         )
-        if _parallel(args):
-            return _benchmark_parallel(args, config) if args.instances is not None else _single_parallel(args, config)
         return _benchmark(args, config) if args.instances is not None else _single(args, config)
     except (OSError, ValueError) as error:
         print(f"fedshard verify: error: {error}", file=sys.stderr)

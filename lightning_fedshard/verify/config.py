@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["BabMode", "InputBranching", "Method", "Refine", "Verdict", "VerifyConfig"]
+__all__ = ["BabMode", "InputBranching", "Method", "Refine", "Verdict", "VerifyConfig", "check_timeout"]
 
 
 class Method(str, Enum):
@@ -53,12 +54,27 @@ class Refine(str, Enum):
 
 
 class Verdict(str, Enum):
-    """VNN-COMP result words: ``sat`` = a counterexample exists (one is given), ``unsat`` = proven safe."""
+    """The answer for an instance: the VNN-COMP result words (``sat`` = a counterexample exists, one is given;
+    ``unsat`` = proven safe; ``unknown``; ``timeout``), or ``error``: the instance could not be verified at all (a
+    file that cannot be read, ranks that disagree), which no result file holds."""
 
     SAT = "sat"
     UNSAT = "unsat"
     UNKNOWN = "unknown"
     TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+def check_timeout(seconds: float) -> float:
+    """``seconds`` if it is a timeout a run can keep: positive and finite (NaN, which compares false with every
+    deadline, would mean none at all). Raises ``ValueError`` otherwise.
+
+    >>> check_timeout(120.0)
+    120.0
+    """
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"a timeout must be a positive, finite number of seconds, got {seconds!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -126,8 +142,8 @@ class VerifyConfig:
         object.__setattr__(self, "input_branching", tuple(InputBranching(b) for b in self.input_branching))
         if not self.input_branching:
             raise ValueError("VerifyConfig.input_branching needs at least one rule")
+        check_timeout(self.timeout)
         for name in (
-            "timeout",
             "alpha_lr",
             "beta_lr_alpha",
             "beta_lr_beta",
@@ -136,8 +152,8 @@ class VerifyConfig:
             "refine_layer_share",
             "refine_solve_limit",
         ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"VerifyConfig.{name} must be positive, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):  # NaN compares false
+                raise ValueError(f"VerifyConfig.{name} must be positive and finite, got {getattr(self, name)}")
         for name in ("attack_restarts", "attack_steps", "alpha_iterations", "beta_iterations", "attack_every"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"VerifyConfig.{name} must be ≥ 0, got {getattr(self, name)}")

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import csv
+import logging
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lightning_fedshard.verify.config import VerifyConfig
-from lightning_fedshard.verify.verifier import VerificationResult, verify_files
+from lightning_fedshard.verify.config import Verdict, VerifyConfig
+from lightning_fedshard.verify.result import VerificationResult
+from lightning_fedshard.verify.shard.plan import ShardPlan
+from lightning_fedshard.verify.verifier import InstanceLoadError, verify_files
 
 __all__ = [
+    "RESULT_COLUMNS",
     "Instance",
-    "InstanceResult",
+    "read_expected",
     "read_instances",
     "read_results",
     "reference_results",
+    "run_instance",
     "run_instances",
     "score_answer",
     "select_instances",
@@ -27,6 +32,20 @@ __all__ = [
 
 #: VNN-COMP 2022 scoring: a correct answer earns 10 points, a wrong one costs 150.
 CORRECT_POINTS, WRONG_PENALTY = 10, -150
+#: The columns of a results CSV (:func:`write_results`): one row per instance, scored against its expected verdict.
+RESULT_COLUMNS = (
+    "onnx",
+    "vnnlib",
+    "verdict",
+    "time_s",
+    "decided_by",
+    "counterexample_ok",
+    "expected",
+    "wrong",
+    "score",
+    "error",
+    "reason",
+)
 
 
 @dataclass(frozen=True)
@@ -36,25 +55,6 @@ class Instance:
     onnx: Path
     vnnlib: Path
     timeout: float
-
-
-@dataclass
-class InstanceResult:
-    """One result row: the verdict, wall time (load included), whether the counterexample replayed, the
-    expected verdict where known, and the points scored."""
-
-    onnx: str
-    vnnlib: str
-    verdict: str
-    time_s: float
-    decided_by: str = ""
-    counterexample_ok: str = ""
-    expected: str = ""
-    wrong: bool = False
-    score: int = 0
-    error: str = ""
-    #: Why an ``unknown`` was not even tried (an operator the verifier cannot represent), as the report says.
-    reason: str = ""
 
 
 def read_instances(path: str | Path) -> list[Instance]:
@@ -83,93 +83,161 @@ def read_expected(path: str | Path) -> dict[tuple[str, str], str]:
         return {(Path(r["onnx"]).name, Path(r["vnnlib"]).name): r["expected"] for r in csv.DictReader(f)}
 
 
-def reference_results(path: str | Path, rows: list[InstanceResult]) -> list[InstanceResult]:
+def reference_results(path: str | Path, results: Sequence[VerificationResult]) -> list[VerificationResult]:
     """The published α,β-CROWN result (columns ``abcrown_result``, ``abcrown_time_s`` of the expected-verdicts
-    CSV) for each of ``rows`` that has one, scored like ours, to print next to our table."""
+    CSV) for each of ``results`` that has one, to print and score next to our table."""
     with Path(path).open(newline="") as f:
         published = {(Path(r["onnx"]).name, Path(r["vnnlib"]).name): r for r in csv.DictReader(f)}
     reference = []
-    for row in rows:
-        entry = published.get((row.onnx, row.vnnlib))
+    for result in results:
+        entry = published.get(_key(result))
         if entry is None or "abcrown_result" not in entry:
             continue
-        verdict = entry["abcrown_result"]
         # Its counterexamples were validated by the organisers; a sat that contradicts the consensus is wrong.
-        wrong, score = score_answer(verdict, entry["expected"], "yes")
         reference.append(
-            InstanceResult(
-                row.onnx,
-                row.vnnlib,
-                verdict,
-                float(entry["abcrown_time_s"]),
-                expected=entry["expected"],
-                wrong=wrong,
-                score=score,
+            VerificationResult(
+                _verdict(entry["abcrown_result"], path),
+                counterexample_check="ok",
+                onnx=result.onnx,
+                vnnlib=result.vnnlib,
+                time_s=float(entry["abcrown_time_s"]),
             )
         )
     return reference
 
 
-def score_answer(verdict: str, expected: str, counterexample_ok: str) -> tuple[bool, int]:
-    """(wrong, points): a ``sat`` must carry a counterexample that replays; an answer contradicting a known
-    verdict is wrong."""
-    if verdict not in ("sat", "unsat"):
+def score_answer(result: VerificationResult, expected: str = "") -> tuple[bool, int]:
+    """(wrong, points) of ``result`` against the ``expected`` verdict (``""``: not known): a ``sat`` must carry a
+    counterexample that replays; an answer contradicting a known verdict is wrong."""
+    if result.verdict not in (Verdict.SAT, Verdict.UNSAT):
         return False, 0
-    wrong = (verdict == "sat" and counterexample_ok != "yes") or (expected in ("sat", "unsat") and verdict != expected)
+    wrong = (result.verdict is Verdict.SAT and result.counterexample_check != "ok") or (
+        expected in ("sat", "unsat") and result.verdict.value != expected
+    )
     return wrong, WRONG_PENALTY if wrong else CORRECT_POINTS
 
 
 def run_instance(
-    instance: Instance, config: VerifyConfig, expected: str = ""
-) -> tuple[InstanceResult, VerificationResult | None]:
-    """Verify one instance under its own timeout; a bad file becomes a row with its error, not an exception."""
+    instance: Instance, config: VerifyConfig, plan: ShardPlan | None = None, index: int = 0
+) -> VerificationResult:
+    """Verify one instance under its own timeout: :func:`~lightning_fedshard.verify.verifier.verify_files` with
+    the instance's files, ``index`` and wall time (loading included) filled in.
+
+    An instance that cannot be verified at all is an ``error`` result naming the error, not an exception: a
+    timeout that is not a positive, finite number of seconds, and a file that cannot be read. In a sharded run
+    (``plan``) only errors that every rank of the group raises are (those of loading, and of the timeout); any
+    other ends the run, see :func:`~lightning_fedshard.verify.verifier.verify_files`.
+
+    Example::
+
+        result = run_instance(Instance(Path("net.onnx"), Path("prop.vnnlib"), 60.0), VerifyConfig())
+        result.verdict, result.time_s, result.error
+    """
+    plan = plan or ShardPlan()
     start = time.monotonic()
-    row = InstanceResult(instance.onnx.name, instance.vnnlib.name, "error", 0.0, expected=expected)
-    result = None
     try:
-        result = verify_files(instance.onnx, instance.vnnlib, replace(config, timeout=instance.timeout))
-        row.verdict, row.decided_by, row.reason = result.verdict.value, result.decided_by or "", result.reason
-        if result.counterexample_check:
-            row.counterexample_ok = (
-                "yes" if result.counterexample_check == "ok" else f"no: {result.counterexample_check}"
-            )
-    except (OSError, ValueError) as error:
-        row.error = f"{type(error).__name__}: {error}"
-    row.time_s = round(time.monotonic() - start, 3)
-    row.wrong, row.score = score_answer(row.verdict, expected, row.counterexample_ok)
-    return row, result
+        budget = replace(config, timeout=instance.timeout)
+    except ValueError as error:  # a timeout that no run can keep, the same on every rank of a group
+        result = VerificationResult.failed(error)
+    else:
+        result = _verify_files(instance, budget, plan)
+    result.onnx, result.vnnlib, result.index = str(instance.onnx), str(instance.vnnlib), index
+    result.time_s = time.monotonic() - start
+    return result
 
 
-def run_instances(
-    instances: list[Instance], config: VerifyConfig, expected: dict[tuple[str, str], str] | None = None
-) -> Iterator[InstanceResult]:
-    """Run each instance in turn (yielding its row as soon as it is decided)."""
-    for instance in instances:
-        known = (expected or {}).get((instance.onnx.name, instance.vnnlib.name), "")
-        yield run_instance(instance, config, known)[0]
+def _verify_files(instance: Instance, config: VerifyConfig, plan: ShardPlan) -> VerificationResult:
+    try:
+        return verify_files(instance.onnx, instance.vnnlib, config, plan)
+    except InstanceLoadError as error:  # raised on every rank of the group, before any collective
+        return VerificationResult.failed(error)
+    except Exception as error:
+        if plan.sharded:
+            # Mid-run, the other ranks wait in a collective of this instance: carrying on would mismatch them.
+            # Failing ends their wait too (a peer's exit breaks their collective): all fail, none hang.
+            raise
+        if not isinstance(error, (OSError, ValueError)):  # not a bad file: keep the traceback for the bug report
+            logging.getLogger(__name__).exception("verifying %s against %s failed", instance.onnx, instance.vnnlib)
+        return VerificationResult.failed(error)
 
 
-def write_results(path: str | Path, rows: list[InstanceResult]) -> None:
+def run_instances(instances: Sequence[Instance], config: VerifyConfig) -> Iterator[VerificationResult]:
+    """Run each instance in turn (yielding its result as soon as it is decided)."""
+    for index, instance in enumerate(instances):
+        yield run_instance(instance, config, index=index)
+
+
+def _key(result: VerificationResult) -> tuple[str, str]:
+    return Path(result.onnx).name, Path(result.vnnlib).name
+
+
+def _verdict(word: str, source: str | Path) -> Verdict:
+    try:
+        return Verdict(word)
+    except ValueError:
+        raise ValueError(f"{source}: unknown verdict {word!r}") from None
+
+
+def write_results(
+    path: str | Path, results: Sequence[VerificationResult], expected: dict[tuple[str, str], str] | None = None
+) -> None:
+    """One CSV row (:data:`RESULT_COLUMNS`) per result: file names, verdict, wall time, whether a counterexample
+    replayed (``yes``, or ``no: why``), the expected verdict (from ``expected``, keyed by file names) and the
+    points scored against it."""
     with Path(path).open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]) if rows else InstanceResult.__annotations__))
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
         writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-
-
-def read_results(path: str | Path) -> list[InstanceResult]:
-    """Rows written by :func:`write_results` (to summarise runs again, or several shards of one benchmark)."""
-    with Path(path).open(newline="") as f:
-        return [
-            InstanceResult(
-                **{**r, "time_s": float(r["time_s"]), "wrong": r["wrong"] == "True", "score": int(r["score"])}
+        for result in results:
+            known = (expected or {}).get(_key(result), "")
+            wrong, score = score_answer(result, known)
+            check = result.counterexample_check
+            writer.writerow(
+                {
+                    "onnx": _key(result)[0],
+                    "vnnlib": _key(result)[1],
+                    "verdict": result.verdict.value,
+                    "time_s": round(result.time_s, 3),
+                    "decided_by": result.decided_by or "",
+                    "counterexample_ok": ("yes" if check == "ok" else f"no: {check}") if check else "",
+                    "expected": known,
+                    "wrong": wrong,
+                    "score": score,
+                    "error": result.error,
+                    "reason": result.reason,
+                }
             )
-            for r in csv.DictReader(f)
-        ]
 
 
-def summarise(rows: list[InstanceResult], by: str = "network") -> str:
+def read_results(path: str | Path) -> list[VerificationResult]:
+    """The results of a CSV written by :func:`write_results` (to summarise runs again, or several shards of one
+    benchmark; the expected verdicts it was scored against: :func:`read_expected` of the same file)."""
+    results = []
+    with Path(path).open(newline="") as f:
+        for row in csv.DictReader(f):
+            check = row["counterexample_ok"]
+            results.append(
+                VerificationResult(
+                    _verdict(row["verdict"], path),
+                    decided_by=row["decided_by"] or None,
+                    counterexample_check="ok" if check == "yes" else check.removeprefix("no: "),
+                    reason=row["reason"],
+                    error=row["error"],
+                    onnx=row["onnx"],
+                    vnnlib=row["vnnlib"],
+                    time_s=float(row["time_s"]),
+                )
+            )
+    return results
+
+
+def summarise(
+    results: Sequence[VerificationResult],
+    expected: dict[tuple[str, str], str] | None = None,
+    by: str = "network",
+) -> str:
     """Per network (``by="property"``: per VNN-LIB file): verified, falsified, unknown, timeouts, errors, wrong
-    answers, the median time over all instances and over the decided ones; then the score."""
+    answers (against ``expected``, keyed by file names), the median time over all instances and over the decided
+    ones; then the score."""
     if by not in ("network", "property"):
         raise ValueError(f"by must be 'network' or 'property', got {by!r}")
     lines = [
@@ -178,18 +246,20 @@ def summarise(rows: list[InstanceResult], by: str = "network") -> str:
             f"{'wrong':>5} {'median s':>8} {'decided':>7} {'score':>6}"
         )
     ]
-    groups: dict[str, list[InstanceResult]] = {}
-    for row in rows:
-        groups.setdefault(row.onnx if by == "network" else row.vnnlib, []).append(row)
-    for name, group in [*groups.items(), ("total", rows)]:
-        count = {v: sum(r.verdict == v for r in group) for v in ("unsat", "sat", "unknown", "timeout", "error")}
+    groups: dict[str, list[VerificationResult]] = {}
+    for result in results:
+        groups.setdefault(_key(result)[0 if by == "network" else 1], []).append(result)
+    for name, group in [*groups.items(), ("total", list(results))]:
+        count = {v: sum(r.verdict is v for r in group) for v in Verdict}
+        scores = [score_answer(r, (expected or {}).get(_key(r), "")) for r in group]
         median = statistics.median(r.time_s for r in group) if group else 0.0
-        decided = [r.time_s for r in group if r.verdict in ("sat", "unsat")]
+        decided = [r.time_s for r in group if r.verdict in (Verdict.SAT, Verdict.UNSAT)]
         median_decided = statistics.median(decided) if decided else 0.0
         lines.append(
-            f"{name:<24} {len(group):>3} {count['unsat']:>8} {count['sat']:>9} {count['unknown']:>7} "
-            f"{count['timeout']:>7} {count['error']:>5} {sum(r.wrong for r in group):>5} {median:>8.2f} "
-            f"{median_decided:>7.2f} {sum(r.score for r in group):>6}"
+            f"{name:<24} {len(group):>3} {count[Verdict.UNSAT]:>8} {count[Verdict.SAT]:>9} "
+            f"{count[Verdict.UNKNOWN]:>7} {count[Verdict.TIMEOUT]:>7} {count[Verdict.ERROR]:>5} "
+            f"{sum(wrong for wrong, _ in scores):>5} {median:>8.2f} {median_decided:>7.2f} "
+            f"{sum(points for _, points in scores):>6}"
         )
     return "\n".join(lines)
 

@@ -391,7 +391,22 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32) -> BoundGrap
     output = graph.output[0].name
     if output not in ctx.variables:
         raise OnnxLoadError(f"the graph output {output!r} is a constant or is never computed")
-    return BoundGraph(_fuse_biases(ctx.nodes, ctx.variables[output].name), output=ctx.variables[output].name)
+    nodes = _fuse_biases(ctx.nodes, ctx.variables[output].name)
+    _check_finite(nodes, path)
+    return BoundGraph(nodes, output=ctx.variables[output].name)
+
+
+def _check_finite(nodes: list[Node], path: Path) -> None:
+    """Every constant of every op finite, as cast to the graph's dtype (a float64 weight beyond float32's range
+    becomes infinite): a NaN in a weight makes the bounds NaN, and a verdict drawn from them means nothing."""
+    for node in nodes[1:]:
+        for role, value in vars(node.op).items():
+            if isinstance(value, Tensor) and value.is_floating_point() and not bool(value.isfinite().all()):
+                bad = value[~value.isfinite()]
+                raise OnnxLoadError(
+                    f"{path}: node {node.name!r} ({type(node.op).__name__}) has {bad.numel()} non-finite value(s) "
+                    f"in its {role} (first {float(bad[0])}): a corrupt model cannot be verified"
+                )
 
 
 def _fuse_biases(nodes: list[Node], output: str) -> list[Node]:

@@ -26,89 +26,24 @@ from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
 from lightning_fedshard.verify.onnx_loader import UnsupportedModelError, load_onnx, onnx_source
 from lightning_fedshard.verify.ops import Interval
+from lightning_fedshard.verify.result import VerificationResult
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, lockstep, past
 from lightning_fedshard.verify.shard.plan import ShardPlan
-from lightning_fedshard.verify.spec import Case, Counterexample, Property, check_counterexample, read_vnnlib
-
-__all__ = ["REPORT_FIELDS", "InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
-
-#: The keys of :meth:`VerificationResult.to_report` that every run has (the optional ones are
-#: ``counterexample_check`` and ``reason``); a predict-loop output carries them too.
-REPORT_FIELDS = (
-    "verdict",
-    "decided_by",
-    "root_margins",
-    "times_s",
-    "baseline_memory_bytes",
-    "peak_memory_bytes",
-    "rss_peak_bytes",
-    "domains_bounded",
-    "max_depth",
-    "bab_modes",
-    "refinement",
+from lightning_fedshard.verify.spec import (
+    Case,
+    Counterexample,
+    Property,
+    UnsupportedPropertyError,
+    check_counterexample,
+    read_vnnlib,
 )
+
+__all__ = ["InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
 
 
 class InstanceLoadError(ValueError):
     """An instance of a sharded run could not be loaded on some rank; raised on every rank of the group before
     any bound is computed, so the ranks can report it and go on to the next instance together."""
-
-
-@dataclass
-class VerificationResult:
-    """The answer for one instance.
-
-    ``root_margins[c][r]``: lower bound of spec row ``r`` of case ``c`` by the strongest root method run
-    (``M y − b``; positive rules its disjunct out). ``decided_by``: ``"pgd"``, ``"ibp"``, ``"crown"``,
-    ``"alpha-crown"``, ``"bab"`` (or ``None``); ``times``: seconds per phase. Memory of this rank (see
-    :class:`~lightning_fedshard.verify.memory.PeakMemoryMeter`): ``baseline_memory_bytes`` before propagation
-    (the constants it holds: full weights, or its shards) and ``peak_memory_bytes`` during it (both 0 unless
-    ``config.measure_memory``); ``rss_peak_bytes`` is the process's resident high-water mark since it started.
-
-    Example::
-
-        result = verify_files("net.onnx", "prop.vnnlib", VerifyConfig(timeout=60))
-        result.verdict, result.counterexample
-    """
-
-    verdict: Verdict
-    counterexample: Counterexample | None = None
-    decided_by: str | None = None
-    root_margins: list[list[float]] = field(default_factory=list)
-    times: dict[str, float] = field(default_factory=dict)
-    baseline_memory_bytes: int = 0
-    peak_memory_bytes: int = 0
-    rss_peak_bytes: int = 0
-    domains_bounded: int = 0
-    max_depth: int = 0
-    #: Which branch-and-bound ran (``"relu"``, ``"input"``; one entry per kind, in the order the cases used them).
-    bab_modes: list[str] = field(default_factory=list)
-    #: LP/MILP refinement, summed over the cases that ran it: solves, bounds tightened, neurons made stable, seconds.
-    refinement: dict[str, float] = field(default_factory=dict)
-    #: For a ``sat`` from :func:`verify_files`: ``"ok"`` once the counterexample replayed on the ONNX model.
-    counterexample_check: str = ""
-    #: Why an instance was answered ``unknown`` without being tried (a model the verifier cannot represent, an
-    #: internal error), else empty.
-    reason: str = ""
-
-    def to_report(self) -> dict:
-        """The JSON-able report ``fedshard verify --report`` writes."""
-        return {
-            "verdict": self.verdict.value,
-            "decided_by": self.decided_by,
-            "root_margins": self.root_margins,
-            "times_s": self.times,
-            "total_time_s": sum(self.times.values()),
-            "baseline_memory_bytes": self.baseline_memory_bytes,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "rss_peak_bytes": self.rss_peak_bytes,
-            "domains_bounded": self.domains_bounded,
-            "max_depth": self.max_depth,
-            "bab_modes": self.bab_modes,
-            "refinement": self.refinement,
-            **({"counterexample_check": self.counterexample_check} if self.counterexample_check else {}),
-            **({"reason": self.reason} if self.reason else {}),
-        }
 
 
 class _Run:
@@ -163,10 +98,17 @@ def _free_dims(box: Interval) -> int:
     return int((box.upper > box.lower).sum())
 
 
-def _attack_restarts(config: VerifyConfig, box: Interval) -> int:
+#: The most spec-row margins the first attack's steps compute (restarts × rows, 16 MiB in float32): a property of
+#: thousands of disjuncts gets fewer restarts, so that one step stays short enough to stop at the deadline (10,000
+#: restarts on 4,096 disjuncts of 12 rows took 47 s of a 5 s timeout).
+ATTACK_MARGINS = 1 << 22
+
+
+def _attack_restarts(config: VerifyConfig, box: Interval, spec: OutputSpec) -> int:
     if config.attack_restarts is not None:
         return config.attack_restarts
-    return 10_000 if _free_dims(box) <= config.input_split_max_dims else 50
+    restarts = 10_000 if _free_dims(box) <= config.input_split_max_dims else 50
+    return max(1, min(restarts, ATTACK_MARGINS // max(spec.num_rows, 1)))
 
 
 def _refinement(config: VerifyConfig, graph: BoundGraph, plan: ShardPlan) -> Refine:
@@ -226,7 +168,7 @@ def _verify_case(
             graph,
             spec,
             box,
-            _attack_restarts(config, box),
+            _attack_restarts(config, box, spec),
             config.attack_steps,
             generator=generator,
             deadline=min(run.deadline, time.monotonic() + config.attack_budget * config.timeout),
@@ -418,8 +360,10 @@ def verify_files(
     A ``sat`` counterexample is replayed on the ONNX model (:func:`model_forward`) and checked against the
     property as the VNN-COMP scorer does; one that fails (which would be a bug) turns the answer into
     ``unknown``, the reason kept in ``counterexample_check``. A model the verifier cannot represent
-    (:class:`~lightning_fedshard.verify.onnx_loader.UnsupportedModelError`), and in a one-process run any error
-    while bounding, answer ``unknown`` with the ``reason``; files that cannot be read at all raise.
+    (:class:`~lightning_fedshard.verify.onnx_loader.UnsupportedModelError`), a property whose output constraints
+    multiply out too far (:class:`~lightning_fedshard.verify.spec.UnsupportedPropertyError`), and in a
+    one-process run any error while bounding, answer ``unknown`` with the ``reason``; the deadline passing while
+    the property is expanded answers ``timeout``. Files that cannot be read at all raise.
 
     Sharded (``plan``), every rank of the group calls it with the same files; the model is sharded right after
     loading, and a file that fails to load on any rank raises :class:`InstanceLoadError` on all of them before
@@ -429,9 +373,9 @@ def verify_files(
     config, plan = config or VerifyConfig(), plan or ShardPlan()
     start = time.monotonic()
     try:
-        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan)
-    except UnsupportedModelError as error:
-        return VerificationResult(Verdict.UNKNOWN, times={"load": time.monotonic() - start}, reason=str(error))
+        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan, start + config.timeout)
+    except _AnsweredAtLoad as answer:
+        return VerificationResult(answer.verdict, times={"load": time.monotonic() - start}, reason=answer.reason)
     sharded = plan.shard(graph)
     if sharded is not graph:
         graph = None  # this rank keeps its shards only
@@ -454,25 +398,49 @@ def verify_files(
     return result
 
 
-def _load_everywhere(onnx_path: str | Path, vnnlib_path: str | Path, plan: ShardPlan) -> tuple[BoundGraph, Property]:
+class _AnsweredAtLoad(Exception):
+    """Loading decided the answer before any bound: ``unknown`` for a model or property the verifier does not
+    take on, ``timeout`` when the deadline passed while the property was expanded."""
+
+    def __init__(self, verdict: Verdict, reason: str) -> None:
+        super().__init__(reason)
+        self.verdict, self.reason = verdict, reason
+
+
+def _load_everywhere(
+    onnx_path: str | Path, vnnlib_path: str | Path, plan: ShardPlan, deadline: float
+) -> tuple[BoundGraph, Property]:
+    """The model and the property, or :class:`_AnsweredAtLoad`; sharded, every rank of the group ends the same
+    way: :class:`InstanceLoadError` if any rank failed, else the answer of any rank that reached one (a
+    ``timeout`` first: the ranks' clocks differ, their files do not)."""
     error: Exception | None = None
+    outcome: tuple[str, str] | None = None  # (verdict or "error", reason or "Type: message")
     try:
         graph = load_onnx(onnx_path)
-        prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size)
+        prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size, deadline)
+    except (UnsupportedModelError, UnsupportedPropertyError) as exc:
+        outcome = (Verdict.UNKNOWN.value, str(exc))
+    except TimeoutError as exc:
+        outcome = (Verdict.TIMEOUT.value, str(exc))
     except Exception as exc:  # noqa: BLE001 (re-raised below, on every rank of a sharded run)
-        error = exc
+        error, outcome = exc, (Verdict.ERROR.value, f"{type(exc).__name__}: {exc}")
     if plan.sharded:
-        messages: list[tuple[str, str] | None] = [None] * dist.get_world_size(plan.group)
-        mine = None if error is None else (type(error).__name__, str(error))
-        dist.all_gather_object(messages, mine, plan.group)
-        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-        if failed and all(kind == UnsupportedModelError.__name__ for _, (kind, _) in failed):
-            raise UnsupportedModelError(failed[0][1][1])  # the same model everywhere: unknown on every rank
-        if failed:
-            rank, (kind, message) = failed[0]
-            raise InstanceLoadError(f"rank {rank} of the sharded group could not load the instance: {kind}: {message}")
+        outcomes: list[tuple[str, str] | None] = [None] * dist.get_world_size(plan.group)
+        dist.all_gather_object(outcomes, outcome, plan.group)
+        first: dict[str, tuple[int, str]] = {}  # how a rank's loading ended -> the first rank that ended so
+        for rank, theirs in enumerate(outcomes):
+            if theirs is not None:
+                first.setdefault(theirs[0], (rank, theirs[1]))
+        if Verdict.ERROR.value in first:
+            rank, message = first[Verdict.ERROR.value]
+            raise InstanceLoadError(f"rank {rank} of the sharded group could not load the instance: {message}")
+        for verdict in (Verdict.TIMEOUT, Verdict.UNKNOWN):
+            if verdict.value in first:
+                raise _AnsweredAtLoad(verdict, first[verdict.value][1])
     if error is not None:
         raise error
+    if outcome is not None:
+        raise _AnsweredAtLoad(Verdict(outcome[0]), outcome[1])
     return graph, prop
 
 

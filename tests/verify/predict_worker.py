@@ -1,13 +1,14 @@
 """Verification in Lightning's predict loop; launched by the tests as a script (on CPU Lightning starts the other
 ranks by re-running it). Usage: ``python predict_worker.py SPEC.json`` — SPEC holds ``out``, ``strategy``,
 ``devices``, optional ``group_size``/``tp_mode``/``max_zones``/``config`` (``VerifyConfig`` fields) and
-``instances`` (``[onnx, vnnlib, timeout]`` rows); global rank 0 writes ``run_predict``'s results to ``out``.
+``instances`` (``[onnx, vnnlib, timeout]`` rows); global rank 0 pickles ``run_predict``'s results to ``out``.
 ``fail_rank``: that rank raises when α-CROWN starts (a failure in the middle of a sharded run)."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def main() -> None:
         spec.get("group_size"),
     )
     if results is not None:
-        Path(spec["out"]).write_text(json.dumps(results))
+        Path(spec["out"]).write_bytes(pickle.dumps(results))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from lightning_fedshard.verify.cli import main as verify_main
-from lightning_fedshard.verify.config import VerifyConfig
+from lightning_fedshard.verify.config import Verdict, VerifyConfig
 from lightning_fedshard.verify.instances import Instance
 from lightning_fedshard.verify.lightning import (
     InstanceDataset,
@@ -22,7 +23,8 @@ from lightning_fedshard.verify.lightning import (
     predict_layout,
     run_predict,
 )
-from lightning_fedshard.verify.spec import Counterexample, check_counterexample, read_vnnlib
+from lightning_fedshard.verify.result import RankReport, VerificationResult
+from lightning_fedshard.verify.spec import check_counterexample, read_vnnlib
 from lightning_fedshard.verify.verifier import model_forward, verify_files
 from tests.launching import run_isolated
 
@@ -96,48 +98,47 @@ def scenarios(corrupt: Path) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory, corrupt_onnx):
-    cache: dict[str, list[dict]] = {}
+    cache: dict[str, list[VerificationResult]] = {}
 
-    def run(name: str) -> list[dict]:
+    def run(name: str) -> list[VerificationResult]:
         if name not in cache:
             spec = dict(scenarios(corrupt_onnx)[name])
             out = tmp_path_factory.mktemp(name)
             spec["instances"] = [[str(onnx), str(vnnlib), TIMEOUT] for onnx, vnnlib in spec["instances"]]
-            spec["out"] = str(out / "results.json")
+            spec["out"] = str(out / "results.pickle")
             (out / "spec.json").write_text(json.dumps(spec))
             result = run_isolated([sys.executable, str(WORKER), str(out / "spec.json")], LAUNCH_TIMEOUT_S)
             assert result.returncode == 0, result.stderr[-6000:]
-            cache[name] = json.loads((out / "results.json").read_text())
-            assert [r["index"] for r in cache[name]] == list(range(len(spec["instances"])))
+            cache[name] = pickle.loads((out / "results.pickle").read_bytes())  # written by this test's worker
+            assert [r.index for r in cache[name]] == list(range(len(spec["instances"])))
         return cache[name]
 
     return run
 
 
-def decided(results: list[dict]) -> list[dict]:
-    return [r for r in results if r["error"] is None]
+def decided(results: list[VerificationResult]) -> list[VerificationResult]:
+    return [r for r in results if r.verdict is not Verdict.ERROR]
 
 
-def assert_group_agrees(entry: dict, size: int, bitwise: bool) -> None:
-    ranks = entry["per_rank"]
-    assert len(ranks) == size and len({r["dp_rank"] for r in ranks}) == 1, ranks
-    assert sorted(r["tp_rank"] for r in ranks) == list(range(size))
+def assert_group_agrees(entry: VerificationResult, size: int, bitwise: bool) -> None:
+    ranks = entry.per_rank
+    assert len(ranks) == size and len({r.dp_rank for r in ranks}) == 1, ranks
+    assert sorted(r.tp_rank for r in ranks) == list(range(size))
     for other in ranks[1:]:
-        assert other["verdict"] == ranks[0]["verdict"]
+        assert other.verdict == ranks[0].verdict
         if bitwise:
-            assert other["root_margins"] == ranks[0]["root_margins"]
+            assert other.root_margins == ranks[0].root_margins
         else:
-            for a, b in zip(other["root_margins"], ranks[0]["root_margins"], strict=True):
+            for a, b in zip(other.root_margins, ranks[0].root_margins, strict=True):
                 np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-def assert_counterexample_replays(entry: dict) -> None:
-    assert entry["verdict"] == "sat" and entry["counterexample"] is not None
-    assert entry["counterexample_check"] == "ok"
-    onnx, vnnlib = Path(entry["onnx"]), Path(entry["vnnlib"])
-    cex = Counterexample(np.asarray(entry["counterexample"]), np.asarray(entry["counterexample_y"]))
+def assert_counterexample_replays(entry: VerificationResult) -> None:
+    assert entry.verdict is Verdict.SAT and entry.counterexample is not None
+    assert entry.counterexample_check == "ok"
+    onnx, vnnlib = Path(entry.onnx), Path(entry.vnnlib)
     prop_ = read_vnnlib(vnnlib, 784, 10)
-    assert check_counterexample(cex, prop_, model_forward(onnx)).ok
+    assert check_counterexample(entry.counterexample, prop_, model_forward(onnx)).ok
 
 
 # --- without processes -------------------------------------------------------------------------------------------
@@ -172,24 +173,19 @@ def test_layouts_and_merging_flag_ranks_that_disagree():
         with pytest.raises(ValueError):
             predict_layout(*bad)
 
-    def out(rank: int, verdict: str) -> dict:
-        keys = ("decided_by", "error", "root_margins", "time_s", "baseline_memory_bytes", "peak_memory_bytes")
-        return (
-            {"index": 0, "rank": rank, "dp_rank": 0, "tp_rank": rank, "verdict": verdict}
-            | dict.fromkeys(keys)
-            | {
-                "rss_peak_bytes": 1,
-                "counterexample": None,
-            }
-        )
+    def out(rank: int, verdict: str, index: int = 0) -> VerificationResult:
+        result = VerificationResult(Verdict(verdict), onnx="a.onnx", vnnlib="p.vnnlib", index=index, time_s=rank + 1.0)
+        result.per_rank = [RankReport.of(result, rank, 0, rank)]
+        return result
 
     (same,) = merge_rank_outputs([out(1, "unsat"), out(0, "unsat")], 2)
-    assert same["verdict"] == "unsat" and same["rank"] == 0 and [r["rank"] for r in same["per_rank"]] == [0, 1]
+    assert same.verdict is Verdict.UNSAT and [r.rank for r in same.per_rank] == [0, 1] and same.time_s == 2.0
     (split,) = merge_rank_outputs([out(0, "unsat"), out(1, "unknown")], 2)
-    assert split["verdict"] == "error" and "disagree" in split["error"]
+    assert split.verdict is Verdict.ERROR and "disagree" in split.error and split.per_rank[1].verdict == "unknown"
     lonely, missing = merge_rank_outputs([out(0, "sat")], 2, [("a.onnx", "p.vnnlib", 1), ("b.onnx", "q.vnnlib", 1)])
-    assert lonely["verdict"] == "error" and "not one group" in lonely["error"]
-    assert missing["verdict"] == "error" and missing["onnx"] == "b.onnx" and missing["per_rank"] == []
+    assert lonely.verdict is Verdict.ERROR and "not one group" in lonely.error
+    assert missing.verdict is Verdict.ERROR and missing.onnx == "b.onnx" and missing.index == 1
+    assert missing.per_rank == []
 
 
 @needs_mnist
@@ -197,11 +193,11 @@ def test_one_device_runs_the_loop_in_this_process(corrupt_onnx):
     instances = VnncompInstances(MNIST / "instances.csv", networks=["mnist-net_256x2.onnx"], limit=2).instances
     instances.insert(1, Instance(corrupt_onnx, prop("0_0.03"), TIMEOUT))
     results = run_predict(instances, VerifyConfig(timeout=TIMEOUT, measure_memory=True))
-    assert [r["verdict"] for r in results] == ["unsat", "error", "sat"]
-    assert results[1]["error"].startswith("OnnxLoadError")
-    assert results[0]["root_margins"] == reference(NET2, prop("0_0.03")).root_margins
+    assert [r.verdict for r in results] == ["unsat", "error", "sat"]
+    assert results[1].error.startswith("OnnxLoadError")
+    assert results[0].root_margins == reference(NET2, prop("0_0.03")).root_margins
     assert_counterexample_replays(results[2])
-    assert all(r["per_rank"][0]["peak_memory_bytes"] > 0 for r in decided(results))
+    assert all(r.per_rank[0].peak_memory_bytes > 0 for r in decided(results))
 
 
 # --- real processes ----------------------------------------------------------------------------------------------
@@ -211,13 +207,13 @@ def test_one_device_runs_the_loop_in_this_process(corrupt_onnx):
 @pytest.mark.multiproc
 def test_fsdp_ranks_agree_and_match_the_single_process_run_bitwise(launch):
     results = launch("fsdp")
-    assert [r["verdict"] for r in results] == ["unsat", "error", "sat", "unsat"]
+    assert [r.verdict for r in results] == ["unsat", "error", "sat", "unsat"]
     for entry in decided(results):
         assert_group_agrees(entry, 2, bitwise=True)
-        ref = reference(Path(entry["onnx"]), Path(entry["vnnlib"]))
-        assert entry["verdict"] == ref.verdict.value and entry["decided_by"] == ref.decided_by
-        assert entry["root_margins"] == ref.root_margins  # bitwise: JSON round-trips floats exactly
-    assert results[0]["decided_by"] == "bab" and results[3]["decided_by"] == "alpha-crown"
+        ref = reference(Path(entry.onnx), Path(entry.vnnlib))
+        assert entry.verdict == ref.verdict.value and entry.decided_by == ref.decided_by
+        assert entry.root_margins == ref.root_margins  # bitwise: pickle round-trips floats exactly
+    assert results[0].decided_by == "bab" and results[3].decided_by == "alpha-crown"
     assert_counterexample_replays(results[2])
 
 
@@ -225,25 +221,25 @@ def test_fsdp_ranks_agree_and_match_the_single_process_run_bitwise(launch):
 @pytest.mark.multiproc
 def test_fsdp_shards_the_weights_over_the_ranks(launch):
     for entry in decided(launch("fsdp")):
-        single = reference(Path(entry["onnx"]), Path(entry["vnnlib"]))
-        for rank in entry["per_rank"]:
-            assert rank["baseline_memory_bytes"] > 0 and rank["peak_memory_bytes"] > 0 and rank["time_s"] > 0
-            assert rank["rss_peak_bytes"] > 0
-            assert rank["baseline_memory_bytes"] < 0.6 * single.baseline_memory_bytes
+        single = reference(Path(entry.onnx), Path(entry.vnnlib))
+        for rank in entry.per_rank:
+            assert rank.baseline_memory_bytes > 0 and rank.peak_memory_bytes > 0 and rank.time_s > 0
+            assert rank.rss_peak_bytes > 0
+            assert rank.baseline_memory_bytes < 0.6 * single.baseline_memory_bytes
 
 
 @needs_mnist
 @pytest.mark.multiproc
 def test_tensor_parallel_rows_match_the_single_process_run_within_rounding(launch):
     results = launch("tp")
-    assert [r["verdict"] for r in results] == ["unsat", "error", "sat"]
+    assert [r.verdict for r in results] == ["unsat", "error", "sat"]
     for entry in decided(results):
         assert_group_agrees(entry, 2, bitwise=False)
-        ref = reference(Path(entry["onnx"]), Path(entry["vnnlib"]))
-        assert entry["verdict"] == ref.verdict.value
-        for ours, theirs in zip(entry["root_margins"], ref.root_margins, strict=True):
+        ref = reference(Path(entry.onnx), Path(entry.vnnlib))
+        assert entry.verdict == ref.verdict.value
+        for ours, theirs in zip(entry.root_margins, ref.root_margins, strict=True):
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-        assert all(r["baseline_memory_bytes"] > 0 and r["peak_memory_bytes"] > 0 for r in entry["per_rank"])
+        assert all(r.baseline_memory_bytes > 0 and r.peak_memory_bytes > 0 for r in entry.per_rank)
     assert_counterexample_replays(results[2])
 
 
@@ -253,10 +249,10 @@ def test_tensor_parallel_rows_match_the_single_process_run_within_rounding(launc
 def test_a_bad_instance_reports_its_error_on_every_rank_and_the_next_ones_are_decided(launch, name):
     results = launch(name)
     bad = results[1]
-    assert bad["verdict"] == "error" and bad["per_rank"]
-    assert all(r["error"] and r["verdict"] == "error" for r in bad["per_rank"])
-    assert all("OnnxLoadError" in r["error"] for r in bad["per_rank"])
-    assert all(r["verdict"] in ("sat", "unsat") for r in results[2:])
+    assert bad.verdict == "error" and bad.per_rank
+    assert all(r.error and r.verdict == "error" for r in bad.per_rank)
+    assert all("OnnxLoadError" in r.error for r in bad.per_rank)
+    assert all(r.verdict in ("sat", "unsat") for r in results[2:])
 
 
 @needs_mnist
@@ -265,26 +261,26 @@ def test_data_parallel_ranks_decide_each_instance_exactly_once(launch):
     results = launch("dp")
     assert len(results) == 5
     for entry in results:
-        (only,) = entry["per_rank"]
-        assert only["rank"] == entry["index"] % 2 and only["tp_rank"] == 0
+        (only,) = entry.per_rank
+        assert only.rank == entry.index % 2 and only.tp_rank == 0
     for entry in decided(results):
-        ref = reference(Path(entry["onnx"]), Path(entry["vnnlib"]))
-        assert entry["verdict"] == ref.verdict.value and entry["root_margins"] == ref.root_margins
-        assert entry["per_rank"][0]["baseline_memory_bytes"] == ref.baseline_memory_bytes
+        ref = reference(Path(entry.onnx), Path(entry.vnnlib))
+        assert entry.verdict == ref.verdict.value and entry.root_margins == ref.root_margins
+        assert entry.per_rank[0].baseline_memory_bytes == ref.baseline_memory_bytes
 
 
 @needs_mnist
 @pytest.mark.multiproc
 def test_a_2x2_mesh_spreads_instances_over_data_parallel_and_shards_each_over_tensor_parallel(launch):
     results = launch("fsdp_2x2")
-    assert [r["verdict"] for r in results] == ["unsat", "unsat", "sat"]
+    assert [r.verdict for r in results] == ["unsat", "unsat", "sat"]
     for entry in results:
         assert_group_agrees(entry, 2, bitwise=True)
-        dp = entry["index"] % 2
-        assert {r["rank"] for r in entry["per_rank"]} == {2 * dp, 2 * dp + 1}
-        assert all(r["dp_rank"] == dp for r in entry["per_rank"])
-        ref = reference(Path(entry["onnx"]), Path(entry["vnnlib"]))
-        assert entry["verdict"] == ref.verdict.value and entry["root_margins"] == ref.root_margins
+        dp = entry.index % 2
+        assert {r.rank for r in entry.per_rank} == {2 * dp, 2 * dp + 1}
+        assert all(r.dp_rank == dp for r in entry.per_rank)
+        ref = reference(Path(entry.onnx), Path(entry.vnnlib))
+        assert entry.verdict == ref.verdict.value and entry.root_margins == ref.root_margins
 
 
 @needs_mnist
@@ -297,7 +293,7 @@ def test_a_rank_failing_mid_run_fails_the_whole_group_without_hanging(tmp_path, 
         "strategy": "fsdp",
         "devices": 2,
         "fail_rank": fail_rank,
-        "out": str(tmp_path / "results.json"),
+        "out": str(tmp_path / "results.pickle"),
         # The first instance reaches α-CROWN; the second would be decided if the loop went on.
         "instances": [[str(NET2), str(prop("6_0.03")), TIMEOUT], [str(NET2), str(prop("4_0.03")), TIMEOUT]],
     }
@@ -305,7 +301,7 @@ def test_a_rank_failing_mid_run_fails_the_whole_group_without_hanging(tmp_path, 
     result = run_isolated([sys.executable, str(WORKER), str(tmp_path / "spec.json")], LAUNCH_TIMEOUT_S)
     assert result.returncode != 0 and "killed after" not in result.stderr, result.stderr[-3000:]
     assert INJECTED in result.stderr
-    assert not (tmp_path / "results.json").exists()
+    assert not (tmp_path / "results.pickle").exists()
 
 
 # --- the command line --------------------------------------------------------------------------------------------

@@ -418,3 +418,21 @@ def test_garbage_and_missing_files(tmp_path: Path) -> None:
         load_onnx(not_gzip)
     with pytest.raises(OnnxLoadError, match="no such ONNX file"):
         load_onnx(tmp_path / "missing.onnx")
+
+
+@pytest.mark.parametrize(
+    ("weight", "message"),
+    [
+        (np.float32([[1.0, np.nan], [0.5, 2.0]]), r"node 'y' \(Linear\) has 1 non-finite value\(s\) in its weight"),
+        (np.float64([[1e300, 0.0], [0.0, 1.0]]), r".* in its weight \(first inf\)"),  # finite in float64 only
+    ],
+    ids=["nan", "beyond-float32"],
+)
+def test_a_non_finite_weight_is_rejected_at_load_time(weight, message, tmp_path: Path) -> None:
+    # A NaN weight made every bound NaN, and the instance came out unsat: a proof of nothing.
+    path = _hand_built(tmp_path / "nan.onnx", [helper.make_node("MatMul", ["x", "w"], ["y"])], [1, 2], {"w": weight})
+    with pytest.raises(OnnxLoadError, match=f"^{path}: {message}") as error:
+        load_onnx(path)
+    assert not isinstance(error.value, UnsupportedModelError)
+    if np.isfinite(weight).all():  # the check is on the constants as cast: a float64 graph holds this one
+        assert float(load_onnx(path, dtype=torch.float64).output.op.weight.max()) == 1e300

@@ -261,9 +261,9 @@ def test_a_bad_instance_is_reported_and_the_run_goes_on(tmp_path):
     instances = tmp_path / "instances.csv"
     instances.write_text("missing.onnx,missing.vnnlib,5\n")
     (instance,) = read_instances(instances)
-    row, _ = run_instance(instance, VerifyConfig())
-    assert row.verdict == "error" and "missing.onnx" in row.error and row.score == 0
-    assert "error" in summarise([row])
+    result = run_instance(instance, VerifyConfig())
+    assert result.verdict is Verdict.ERROR and "missing.onnx" in result.error and result.onnx.endswith("missing.onnx")
+    assert summarise([result]).splitlines()[-1].split()[:7] == ["total", "1", "0", "0", "0", "0", "1"]
 
 
 @needs_mnist

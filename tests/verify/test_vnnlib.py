@@ -1,11 +1,13 @@
 import gzip
 import re
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lightning_fedshard.verify.spec import VnnlibError, parse_vnnlib, read_vnnlib
+from lightning_fedshard.verify.spec import UnsupportedPropertyError, VnnlibError, parse_vnnlib, read_vnnlib
+from lightning_fedshard.verify.spec.vnnlib import MAX_DNF_CONSTRAINTS, MAX_NESTING
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
 VNNLIB_FILES = sorted((MNIST / "vnnlib").glob("*.vnnlib"))
@@ -223,3 +225,57 @@ def test_read_vnnlib_reports_the_file_name(tmp_path):
     path.write_text(HEADER + "(assert (<= X_0 1))\n")
     with pytest.raises(VnnlibError, match=r"broken\.vnnlib:1: input X_0 has no lower bound"):
         read_vnnlib(path)
+
+
+def and_of_ors(k: int) -> str:
+    """An AND of ``k`` two-way ORs: ``2^k`` disjuncts of ``k`` rows once multiplied out."""
+    ors = " ".join(f"(or (>= Y_0 {i}) (<= Y_1 {-i}))" for i in range(k))
+    return HEADER + BOX + f"(assert (and {ors}))\n"
+
+
+def test_an_and_of_ors_expands_up_to_the_bound_and_is_refused_beyond_it():
+    (case,) = parse_vnnlib(and_of_ors(12)).cases
+    assert len(case.disjuncts) == 2**12 and {len(d.rhs) for d in case.disjuncts} == {12}
+    assert 12 * 2**12 <= MAX_DNF_CONSTRAINTS < 13 * 2**13
+    for k in (13, 40, 400):  # 40 ran past a 10 s timeout, 20 took 2.5 GB, before the bound
+        with pytest.raises(UnsupportedPropertyError, match=r"spec\.vnnlib:6: the output constraints multiply out"):
+            parse_vnnlib(and_of_ors(k), source="spec.vnnlib")
+    with pytest.raises(UnsupportedPropertyError, match=r"1\.1e\+12 disjuncts of 4\.4e\+13 constraints"):
+        parse_vnnlib(and_of_ors(40))
+
+
+def test_separate_asserts_multiply_out_too():
+    asserts = "".join(f"(assert (or (>= Y_0 {i}) (<= Y_1 {-i})))\n" for i in range(20))
+    # refused at the 13th assert (line 18), before the product of the first 13 is built
+    with pytest.raises(UnsupportedPropertyError, match="^<string>:18: .* to 8,192 disjuncts of 106,496 constraints"):
+        parse_vnnlib(HEADER + BOX + asserts)
+
+
+def test_an_expansion_past_its_deadline_stops():
+    with pytest.raises(TimeoutError, match="deadline passed while expanding"):
+        parse_vnnlib(and_of_ors(12), deadline=time.monotonic() - 1)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ((HEADER + "(assert (>= X_0 0))\n(assert (<= X_0 1e400))\n").encode(), r":5: \(<= X_0 1e400\) holds a number"),
+        ((HEADER + BOX + "(assert (<= (* 1e300 1e300 Y_0) 1))\n").encode(), ":6: .* beyond the range of float64"),
+        (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)), "not a VNN-LIB text file: byte 0x80 at offset 136"),
+        (gzip.compress((HEADER + BOX).encode())[:20], "not a readable gzip file"),
+        ((HEADER + BOX + "(assert " + "(and " * 20_000 + ")" * 20_001).encode(), f"deeper than {MAX_NESTING} levels"),
+    ],
+    ids=["bound-1e400", "overflowing-product", "binary", "truncated-gzip", "nested-20000-deep"],
+)
+def test_unreadable_files_name_the_file_and_the_problem(content, message, tmp_path):
+    path = tmp_path / "bad.vnnlib"
+    path.write_bytes(content)
+    with pytest.raises(VnnlibError, match=f"^{re.escape(str(path))}.*{message}"):
+        read_vnnlib(path)
+
+
+def test_nesting_up_to_the_limit_parses():
+    depth = MAX_NESTING - 2  # (assert (<= …) …) adds two levels
+    term = "(- " * depth + "Y_0" + ")" * depth
+    ((disjunct,),) = [case.disjuncts for case in parse_vnnlib(HEADER + BOX + f"(assert (<= {term} 1))\n").cases]
+    assert disjunct.matrix.tolist() == [[1.0, 0.0]] and disjunct.rhs.tolist() == [1.0]

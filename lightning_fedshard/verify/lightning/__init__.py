@@ -10,7 +10,7 @@ Example (a script: on CPU the other ranks re-run it)::
     results = run_predict(read_instances("instances.csv"), VerifyConfig(timeout=60), "fsdp", devices=2)
     if results is not None:  # global rank 0
         for r in results:
-            print(r["vnnlib"], r["verdict"], [p["peak_memory_bytes"] for p in r["per_rank"]])
+            print(r.vnnlib, r.verdict.value, [p.peak_memory_bytes for p in r.per_rank])
 """
 
 from lightning_fedshard.verify.lightning.data import (

@@ -4,7 +4,6 @@ data-parallel dimension of ``ModelParallelStrategy``'s device mesh."""
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
@@ -14,28 +13,13 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
-from lightning_fedshard.verify.config import VerifyConfig
-from lightning_fedshard.verify.instances import Instance
+from lightning_fedshard.verify.config import Verdict, VerifyConfig
+from lightning_fedshard.verify.instances import Instance, run_instance
 from lightning_fedshard.verify.lightning.data import VnncompInstances, as_instance
+from lightning_fedshard.verify.result import RankReport, VerificationResult
 from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode
-from lightning_fedshard.verify.verifier import REPORT_FIELDS, InstanceLoadError, verify_files
 
 __all__ = ["VerificationModule", "merge_rank_outputs", "predict_layout", "run_predict"]
-
-#: The fields of a predict output that every rank reports for itself (``per_rank`` entries of a merged result).
-RANK_FIELDS = (
-    "rank",
-    "dp_rank",
-    "tp_rank",
-    "verdict",
-    "decided_by",
-    "error",
-    "root_margins",
-    "time_s",
-    "baseline_memory_bytes",
-    "peak_memory_bytes",
-    "rss_peak_bytes",
-)
 
 
 class VerificationModule(LightningModule):
@@ -46,14 +30,11 @@ class VerificationModule(LightningModule):
     sharding of each run over the ``tensor_parallel`` dim of the ``ModelParallelStrategy`` device mesh; ``single``
     shards nothing (any ranks then take different instances). The module has no parameters and needs no optimizer.
 
-    ``predict_step`` returns a dict: ``index``, ``onnx``, ``vnnlib``, ``timeout``, ``verdict`` (``"error"`` when the
-    instance could not be loaded, ``error`` then being ``"Type: message"``, else ``None``), ``decided_by``,
-    ``root_margins``, ``time_s`` (wall, load included), ``times_s``, ``baseline_memory_bytes``,
-    ``peak_memory_bytes``, ``rss_peak_bytes``, ``domains_bounded``, ``max_depth``, ``bab_modes``, ``reason``,
-    ``counterexample`` (the input
-    as a list, or ``None``), ``counterexample_y``, ``counterexample_check``, and ``rank``/``dp_rank``/``tp_rank``.
-    An instance that fails to load does not stop the loop: its error is reported (on every rank of the group,
-    since a load error on one rank raises on all of them) and the next instance is verified. An error in the
+    ``predict_step`` returns this rank's :class:`~lightning_fedshard.verify.result.VerificationResult` of the
+    instance (:func:`~lightning_fedshard.verify.instances.run_instance`), with ``index`` and ``per_rank`` holding
+    its own :class:`~lightning_fedshard.verify.result.RankReport`. An instance that fails to load does not stop
+    the loop: it is an ``error`` result (on every rank of the group, since a load error on one rank raises on all
+    of them) and the next instance is verified. An error in the
     middle of a sharded run ends the run on every rank of the group (the rank that failed raises; the others'
     next collective fails), so that no rank waits forever.
 
@@ -72,7 +53,7 @@ class VerificationModule(LightningModule):
             VerificationModule(VerifyConfig(timeout=60), strategy="fsdp"),
             datamodule=VnncompInstances("mnist_fc_2022/instances.csv", limit=3),
         )
-        [(o["vnnlib"], o["verdict"]) for o in outputs]   # this rank's instances
+        [(o.vnnlib, o.verdict) for o in outputs]   # this rank's instances
 
     (:func:`run_predict` does all this, and gathers every rank's outputs on rank 0.)
     """
@@ -122,59 +103,14 @@ class VerificationModule(LightningModule):
             return self.global_rank, 0
         return mesh["data_parallel"].get_local_rank(), mesh["tensor_parallel"].get_local_rank()
 
-    def predict_step(self, batch: dict | Instance, batch_idx: int = 0) -> dict:
+    def predict_step(self, batch: dict | Instance, batch_idx: int = 0) -> VerificationResult:
         instance = as_instance(batch)
-        dp_rank, tp_rank = self._mesh_ranks()
-        out = {
-            "index": batch.get("index", batch_idx) if isinstance(batch, dict) else batch_idx,
-            "onnx": str(instance.onnx),
-            "vnnlib": str(instance.vnnlib),
-            "timeout": instance.timeout,
-            "rank": self.global_rank,
-            "dp_rank": dp_rank,
-            "tp_rank": tp_rank,
-            "verdict": "error",
-            "decided_by": None,
-            "error": None,
-            "root_margins": [],
-            "time_s": 0.0,
-            "times_s": {},
-            "baseline_memory_bytes": 0,
-            "peak_memory_bytes": 0,
-            "rss_peak_bytes": 0,
-            "domains_bounded": 0,
-            "max_depth": 0,
-            "bab_modes": [],
-            "refinement": {},
-            "reason": "",
-            "counterexample": None,
-            "counterexample_y": None,
-            "counterexample_check": "",
-        }
-        start = time.monotonic()
-        try:
-            # α-CROWN and β-CROWN optimise with autograd: undo the predict loop's inference/no-grad mode
-            with torch.inference_mode(False), torch.enable_grad():
-                result = verify_files(
-                    instance.onnx, instance.vnnlib, replace(self.config, timeout=instance.timeout), self.plan
-                )
-        except InstanceLoadError as error:  # raised on every rank of the group, before any collective
-            out["error"] = f"{type(error).__name__}: {error}"
-        except Exception as error:
-            if self.plan.sharded:
-                # Mid-run, the other ranks wait in a collective of this instance: carrying on would mismatch
-                # them. Failing ends their wait too (a peer's exit breaks their collective) — all fail, none hang.
-                raise
-            out["error"] = f"{type(error).__name__}: {error}"
-        else:
-            report = result.to_report()
-            out.update({key: report[key] for key in REPORT_FIELDS})
-            out["counterexample_check"], out["reason"] = result.counterexample_check, result.reason
-            if result.counterexample is not None:
-                out["counterexample"] = result.counterexample.x.tolist()
-                out["counterexample_y"] = result.counterexample.y.tolist()
-        out["time_s"] = time.monotonic() - start
-        return out
+        index = batch.get("index", batch_idx) if isinstance(batch, dict) else batch_idx
+        # α-CROWN and β-CROWN optimise with autograd: undo the predict loop's inference/no-grad mode
+        with torch.inference_mode(False), torch.enable_grad():
+            result = run_instance(instance, self.config, self.plan, index)
+        result.per_rank = [RankReport.of(result, self.global_rank, *self._mesh_ranks())]
+        return result
 
 
 def predict_layout(strategy: Strategy | str, devices: int, group_size: int | None = None) -> tuple[int, int]:
@@ -196,48 +132,36 @@ def predict_layout(strategy: Strategy | str, devices: int, group_size: int | Non
 
 
 def merge_rank_outputs(
-    outputs: Sequence[dict], tensor_parallel_size: int, instances: Sequence[Instance] | None = None
-) -> list[dict]:
-    """One entry per instance (sorted by ``index``) from the outputs of every rank: the tensor-parallel rank 0
-    output, with ``per_rank`` holding each rank's :data:`RANK_FIELDS`. Ranks of a group that disagree on the
-    verdict, or an instance verified by other than one group (or not at all, of ``instances``: item ``i`` has
-    ``index`` ``i``), make the entry an ``"error"``."""
-    by_index: dict[int, list[dict]] = {}
+    outputs: Sequence[VerificationResult], tensor_parallel_size: int, instances: Sequence[Instance] | None = None
+) -> list[VerificationResult]:
+    """One result per instance (sorted by ``index``) from the outputs of every rank: the tensor-parallel rank 0
+    result, with ``per_rank`` holding every rank's report and ``time_s`` the slowest rank's. Ranks of a group that
+    disagree on the verdict, or an instance verified by other than one group (or not at all, of ``instances``:
+    item ``i`` has ``index`` ``i``), make the result an ``error``."""
+    by_index: dict[int, list[VerificationResult]] = {}
     for out in outputs:
-        by_index.setdefault(out["index"], []).append(out)
-    indices = sorted(set(by_index) | set(range(len(instances or ()))))
+        by_index.setdefault(out.index, []).append(out)
     merged = []
-    for index in indices:
-        entries = sorted(by_index.get(index, []), key=lambda o: o["rank"])
+    for index in sorted(set(by_index) | set(range(len(instances or ())))):
+        entries = sorted(by_index.get(index, []), key=lambda o: o.per_rank[0].rank)
         if not entries:
             instance = as_instance(instances[index])
-            merged.append(
-                {
-                    "index": index,
-                    "onnx": str(instance.onnx),
-                    "vnnlib": str(instance.vnnlib),
-                    "timeout": instance.timeout,
-                    "verdict": "error",
-                    "decided_by": None,
-                    "error": "no rank verified this instance",
-                    "counterexample": None,
-                    "per_rank": [],
-                }
-            )
+            missing = VerificationResult.failed("no rank verified this instance")
+            missing.onnx, missing.vnnlib, missing.index = str(instance.onnx), str(instance.vnnlib), index
+            merged.append(missing)
             continue
-        entry = dict(next((o for o in entries if o["tp_rank"] == 0), entries[0]))
-        entry["per_rank"] = [{k: o[k] for k in RANK_FIELDS} for o in entries]
+        ranks = [report for o in entries for report in o.per_rank]
+        entry = replace(next((o for o in entries if o.per_rank[0].tp_rank == 0), entries[0]), per_rank=ranks)
+        entry.time_s = max(r.time_s for r in ranks)
         problems = []
-        if len(entries) != tensor_parallel_size or len({o["dp_rank"] for o in entries}) != 1:
-            problems.append(
-                f"verified by ranks {[o['rank'] for o in entries]}, not one group of {tensor_parallel_size}"
-            )
-        verdicts = {o["rank"]: o["verdict"] for o in entries}
+        if len(ranks) != tensor_parallel_size or len({r.dp_rank for r in ranks}) != 1:
+            problems.append(f"verified by ranks {[r.rank for r in ranks]}, not one group of {tensor_parallel_size}")
+        verdicts = {r.rank: r.verdict.value for r in ranks}
         if len(set(verdicts.values())) > 1:
             problems.append(f"ranks disagree on the verdict: {verdicts}")
         if problems:
-            entry["verdict"], entry["decided_by"], entry["counterexample"] = "error", None, None
-            entry["error"] = "; ".join(([entry["error"]] if entry.get("error") else []) + problems)
+            entry.verdict, entry.decided_by, entry.counterexample = Verdict.ERROR, None, None
+            entry.error = "; ".join(([entry.error] if entry.error else []) + problems)
         merged.append(entry)
     return merged
 
@@ -251,9 +175,9 @@ def run_predict(
     max_zones: int | None = None,
     group_size: int | None = None,
     accelerator: str = "cpu",
-) -> list[dict] | None:
+) -> list[VerificationResult] | None:
     """Verify ``instances`` with ``trainer.predict`` on ``devices`` ranks; the merged results
-    (:func:`merge_rank_outputs`: one dict per instance, in order, with ``per_rank``) on global rank 0, ``None`` on
+    (:func:`merge_rank_outputs`: one per instance, in order, with ``per_rank``) on global rank 0, ``None`` on
     the other ranks.
 
     One device with ``single``: a plain one-process Trainer. Otherwise ``ModelParallelStrategy`` with
@@ -269,7 +193,7 @@ def run_predict(
 
         results = run_predict(read_instances("instances.csv"), VerifyConfig(timeout=60), "fsdp", devices=2)
         if results is not None:  # rank 0
-            print([(r["vnnlib"], r["verdict"]) for r in results])
+            print([(r.vnnlib, r.verdict.value) for r in results])
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -310,7 +234,7 @@ def run_predict(
         outputs = trainer.predict(module, datamodule=datamodule) or []
     if trainer.world_size == 1:
         return merge_rank_outputs(outputs, 1, datamodule.instances)
-    gathered: list[list[dict] | None] = [None] * trainer.world_size
+    gathered: list[list[VerificationResult] | None] = [None] * trainer.world_size
     dist.all_gather_object(gathered, list(outputs))
     rank = trainer.global_rank
     if backend == "gloo":  # every rank got this far, so every rank will meet the exit handler's barrier

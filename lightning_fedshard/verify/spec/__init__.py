@@ -1,7 +1,6 @@
 """Verification specifications: VNN-LIB 1.0 properties and VNN-COMP counterexamples / result files."""
 
 from lightning_fedshard.verify.spec.counterexample import (
-    VERDICTS,
     CheckResult,
     Counterexample,
     check_counterexample,
@@ -14,6 +13,7 @@ from lightning_fedshard.verify.spec.vnnlib import (
     Disjunct,
     InputBox,
     Property,
+    UnsupportedPropertyError,
     VnnlibError,
     local_robustness,
     parse_vnnlib,
@@ -21,13 +21,13 @@ from lightning_fedshard.verify.spec.vnnlib import (
 )
 
 __all__ = [
-    "VERDICTS",
     "Case",
     "CheckResult",
     "Counterexample",
     "Disjunct",
     "InputBox",
     "Property",
+    "UnsupportedPropertyError",
     "VnnlibError",
     "check_counterexample",
     "format_counterexample",

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lightning_fedshard.verify.config import Verdict
 from lightning_fedshard.verify.spec.vnnlib import Property
 
 __all__ = [
-    "VERDICTS",
     "CheckResult",
     "Counterexample",
     "check_counterexample",
@@ -24,11 +24,12 @@ __all__ = [
     "write_result",
 ]
 
-VERDICTS = ("sat", "unsat", "unknown", "timeout")
 _ASSIGNMENT = re.compile(r"\(\s*([XY])_(\d+)\s+([^\s()]+)\s*\)")
 
 
-@dataclass(frozen=True, eq=False)  # eq=False: generated ==/hash would fail on numpy fields
+# eq=False: generated ==/hash would fail on numpy fields. Not frozen: results carrying one pass through Lightning's
+# predict loop, which rebuilds dataclasses field by field (``apply_to_collection``).
+@dataclass(eq=False)
 class Counterexample:
     """An input ``x`` (float64 ``[num_inputs]``) with the outputs ``y`` (float64 ``[num_outputs]``) claimed for it.
 
@@ -65,13 +66,16 @@ def format_counterexample(cex: Counterexample) -> str:
     return "(" + "\n ".join(entries) + ")"
 
 
-def write_result(path: str | Path, verdict: str, cex: Counterexample | None = None) -> None:
-    """Write a VNN-COMP result file: the verdict line, followed for ``sat`` by the counterexample block."""
-    if verdict not in VERDICTS:
-        raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
-    if (verdict == "sat") != (cex is not None):
+def write_result(path: str | Path, verdict: Verdict | str, cex: Counterexample | None = None) -> None:
+    """Write a VNN-COMP result file: the verdict line, followed for ``sat`` by the counterexample block. An
+    ``error`` is no answer: it has no result file."""
+    words = [v.value for v in Verdict if v is not Verdict.ERROR]
+    if verdict not in words:
+        raise ValueError(f"verdict must be one of {words}, got {verdict!r}")
+    verdict = Verdict(verdict)
+    if (verdict is Verdict.SAT) != (cex is not None):
         raise ValueError("a counterexample is required for 'sat' and not allowed otherwise")
-    body = f"{verdict}\n" + (format_counterexample(cex) + "\n" if cex is not None else "")
+    body = f"{verdict.value}\n" + (format_counterexample(cex) + "\n" if cex is not None else "")
     Path(path).write_text(body)
 
 

@@ -1,6 +1,11 @@
 """VNN-LIB 1.0 reader (the SMT-LIB subset used by VNN-COMP 2022/2024), following the semantics of the official
 ``read_vnnlib_simple``: input constraints form boxes, output constraints a disjunction of polytopes ``A y <= b``
 describing the *unsafe* set.
+
+Output constraints are brought into disjunctive normal form, which an AND of ORs multiplies out (``k`` two-way ORs
+make ``2^k`` disjuncts): beyond :data:`MAX_DNF_CONSTRAINTS` constraints the property is rejected with
+:class:`UnsupportedPropertyError` before anything is expanded, and ``deadline`` bounds the time the expansion
+may take.
 """
 
 from __future__ import annotations
@@ -8,18 +13,23 @@ from __future__ import annotations
 import functools
 import gzip
 import itertools
+import math
 import operator
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 __all__ = [
+    "MAX_DNF_CONSTRAINTS",
+    "MAX_NESTING",
     "Case",
     "Disjunct",
     "InputBox",
     "Property",
+    "UnsupportedPropertyError",
     "VnnlibError",
     "local_robustness",
     "parse_vnnlib",
@@ -30,12 +40,25 @@ _TOKEN = re.compile(r"\(|\)|[^\s()]+")
 _VAR = re.compile(r"([XY])_(0|[1-9]\d*)")
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
+#: The most linear constraints (and disjuncts) the output constraints may hold once multiplied out into disjunctive
+#: normal form, every disjunct's constraints counted: 100,000 parse in about 0.15 s, and every one becomes a spec
+#: row that each attack step and bound pass pays for. VNN-COMP properties hold a few dozen.
+MAX_DNF_CONSTRAINTS = 100_000
+#: The deepest nesting of parentheses read: the expressions are walked recursively, and VNN-COMP files nest
+#: fewer than ten deep.
+MAX_NESTING = 100
+
 
 class VnnlibError(ValueError):
     """A malformed or unsupported VNN-LIB file; the message starts with ``source:line:`` where a line is known."""
 
     def __init__(self, message: str, source: str = "<string>", line: int | None = None) -> None:
         super().__init__(f"{source}:{line}: {message}" if line is not None else f"{source}: {message}")
+
+
+class UnsupportedPropertyError(VnnlibError):
+    """A well-formed property that the verifier does not take on: its output constraints would multiply out to
+    more than :data:`MAX_DNF_CONSTRAINTS` constraints. The instance is answered ``unknown`` with this reason."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: generated ==/hash would fail on numpy fields
@@ -131,31 +154,53 @@ class _Atom:
     line: int
 
 
-def read_vnnlib(path: str | Path, num_inputs: int | None = None, num_outputs: int | None = None) -> Property:
+def read_vnnlib(
+    path: str | Path, num_inputs: int | None = None, num_outputs: int | None = None, deadline: float | None = None
+) -> Property:
     """Read a ``.vnnlib`` (or gzipped ``.vnnlib.gz``) file; see :func:`parse_vnnlib`."""
     path = Path(path)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":  # gzip magic, so a misnamed compressed file still reads
-        raw = gzip.decompress(raw)
-    return parse_vnnlib(raw.decode(), num_inputs, num_outputs, source=str(path))
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as error:
+            raise VnnlibError(f"not a readable gzip file ({error})", str(path)) from None
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as error:
+        raise VnnlibError(
+            f"not a VNN-LIB text file: byte {raw[error.start]:#04x} at offset {error.start} is not UTF-8", str(path)
+        ) from None
+    return parse_vnnlib(text, num_inputs, num_outputs, source=str(path), deadline=deadline)
 
 
 def parse_vnnlib(
-    text: str, num_inputs: int | None = None, num_outputs: int | None = None, source: str = "<string>"
+    text: str,
+    num_inputs: int | None = None,
+    num_outputs: int | None = None,
+    source: str = "<string>",
+    deadline: float | None = None,
 ) -> Property:
-    """Parse VNN-LIB 1.0 text; ``num_inputs``/``num_outputs``, when given, must match the declarations."""
+    """Parse VNN-LIB 1.0 text; ``num_inputs``/``num_outputs``, when given, must match the declarations.
+
+    Output constraints that would multiply out to more than :data:`MAX_DNF_CONSTRAINTS` constraints raise
+    :class:`UnsupportedPropertyError`; ``TimeoutError`` if the ``time.monotonic()`` ``deadline`` passes while
+    they are expanded."""
     decls, asserts = _commands(_read_sexprs(text, source), source)
     n_in = _count(decls, "X", num_inputs, "num_inputs", source)
     n_out = _count(decls, "Y", num_outputs, "num_outputs", source)
     lower, upper = np.full(n_in, -np.inf), np.full(n_in, np.inf)
     output_dnf: list[list[_Atom]] = [[]]
+    output_size = _DnfSize(1, 0)
     for node in asserts:
-        dnf = _to_dnf(node[1], node.line, decls, source)
+        size = _dnf_size(node[1], node.line, source)
+        dnf = _to_dnf(node[1], node.line, decls, source, deadline)
         if len(dnf) == 1 and dnf[0] and all(a.xs and not a.ys for a in dnf[0]):
             for atom in dnf[0]:
                 _tighten(atom, lower, upper, source)
         else:  # conjunction with the DNF so far: every pair of disjuncts combines
-            output_dnf = [left + right for left, right in itertools.product(output_dnf, dnf)]
+            output_size = _DnfSize.conjunction([output_size, size]).check(node.line, source)
+            output_dnf = _conjoin([output_dnf, dnf], deadline, source)
 
     cases: dict[tuple[bytes, bytes], tuple[InputBox, list[Disjunct]]] = {}
     for conjunct in output_dnf:
@@ -214,6 +259,8 @@ def _read_sexprs(text: str, source: str) -> list:
     for lineno, line in enumerate(text.splitlines(), start=1):
         for token in _TOKEN.findall(line.split(";", 1)[0]):
             if token == "(":
+                if len(stack) > MAX_NESTING:
+                    raise VnnlibError(f"parentheses nest deeper than {MAX_NESTING} levels", source, lineno)
                 node = _Node(line=lineno)
                 stack[-1].append(node)
                 stack.append(node)
@@ -249,22 +296,89 @@ def _count(decls: dict[str, int], kind: str, expected: int | None, what: str, so
     return n
 
 
-def _to_dnf(expr, line: int, decls: dict[str, int], source: str) -> list[list[_Atom]]:
+@dataclass(frozen=True)
+class _DnfSize:
+    """How big an expression's disjunctive normal form is: its disjuncts, and the constraints of all of them
+    (both saturating at :data:`_HUGE`, so that a file of many ORs does not make huge integers)."""
+
+    disjuncts: int
+    constraints: int
+
+    def check(self, line: int, source: str) -> _DnfSize:
+        if max(self.disjuncts, self.constraints) > MAX_DNF_CONSTRAINTS:  # empty disjuncts cost memory too
+            raise UnsupportedPropertyError(
+                f"the output constraints multiply out to {_amount(self.disjuncts)} disjuncts of "
+                f"{_amount(self.constraints)} constraints in all (an AND of ORs), more than the "
+                f"{MAX_DNF_CONSTRAINTS:,} this verifier expands",
+                source,
+                line,
+            )
+        return self
+
+    @classmethod
+    def disjunction(cls, parts: list[_DnfSize]) -> _DnfSize:
+        return cls(min(sum(p.disjuncts for p in parts), _HUGE), min(sum(p.constraints for p in parts), _HUGE))
+
+    @classmethod
+    def conjunction(cls, parts: list[_DnfSize]) -> _DnfSize:
+        """The size of an AND: one disjunct per choice of a disjunct of every part, each holding the constraints
+        of its choices."""
+        disjuncts, constraints = 1, 0
+        for part in parts:
+            disjuncts, constraints = (
+                min(disjuncts * part.disjuncts, _HUGE),
+                min(constraints * part.disjuncts + part.constraints * disjuncts, _HUGE),
+            )
+        return cls(disjuncts, constraints)
+
+
+_HUGE = 10**30
+
+
+def _amount(count: int) -> str:
+    if count >= _HUGE:
+        return f"more than {float(_HUGE):.0e}"
+    return f"{count:,}" if count < 10**9 else f"{float(count):.3g}"
+
+
+def _dnf_size(expr, line: int, source: str) -> _DnfSize:
+    """The size of ``expr``'s disjunctive normal form, found without building it (:func:`_to_dnf` checks the
+    expression itself); raises :class:`UnsupportedPropertyError` where it is too big."""
+    if not isinstance(expr, _Node) or not expr or expr[0] not in ("and", "or"):
+        return _DnfSize(1, 1)
+    parts = [_dnf_size(a, expr.line, source) for a in expr[1:]]
+    size = _DnfSize.disjunction(parts) if expr[0] == "or" else _DnfSize.conjunction(parts)
+    return size.check(expr.line, source)
+
+
+def _conjoin(parts: list[list[list[_Atom]]], deadline: float | None, source: str) -> list[list[_Atom]]:
+    """The DNF of the AND of DNFs: a disjunct for every choice of one disjunct of each part."""
+    out = []
+    for count, combo in enumerate(itertools.product(*parts)):
+        if count % 1024 == 0 and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{source}: the deadline passed while expanding the output constraints")
+        out.append(functools.reduce(operator.iadd, combo, []))
+    return out
+
+
+def _to_dnf(expr, line: int, decls: dict[str, int], source: str, deadline: float | None) -> list[list[_Atom]]:
     if not isinstance(expr, _Node) or not expr or not isinstance(expr[0], str):
         raise VnnlibError(f"expected a boolean expression, got {_show(expr)}", source, line)
     op, args = expr[0], expr[1:]
     if op == "and":
-        parts = [_to_dnf(a, expr.line, decls, source) for a in args]
-        return [functools.reduce(operator.iadd, combo, []) for combo in itertools.product(*parts)]
+        return _conjoin([_to_dnf(a, expr.line, decls, source, deadline) for a in args], deadline, source)
     if op == "or":
-        return [conj for a in args for conj in _to_dnf(a, expr.line, decls, source)]
+        return [conj for a in args for conj in _to_dnf(a, expr.line, decls, source, deadline)]
     if op in ("<=", "<", ">=", ">"):
         if len(args) != 2:
             raise VnnlibError(f"{op} needs exactly 2 arguments, got {_show(expr)}", source, expr.line)
         small, big = args if op in ("<=", "<") else args[::-1]  # strict and non-strict agree on closed sets
         xs, ys, const = _linear(small, expr.line, decls, source)
         bxs, bys, bconst = _linear(big, expr.line, decls, source)
-        return [[_Atom(_add(xs, bxs, -1.0), _add(ys, bys, -1.0), const - bconst, expr.line)]]
+        atom = _Atom(_add(xs, bxs, -1.0), _add(ys, bys, -1.0), const - bconst, expr.line)
+        if not all(np.isfinite([*atom.xs.values(), *atom.ys.values(), atom.const])):
+            raise VnnlibError(f"{_show(expr)} holds a number beyond the range of float64", source, expr.line)
+        return [[atom]]
     raise VnnlibError(f"unknown operator {op!r}", source, expr.line)
 
 
@@ -292,7 +406,7 @@ def _linear(term, line: int, decls: dict[str, int], source: str) -> tuple[dict[i
         variable = [p for p in parts if p[0] or p[1]]
         if len(variable) > 1:
             raise VnnlibError(f"non-linear product {_show(term)}", source, term.line)
-        scale = float(np.prod([p[2] for p in parts if not (p[0] or p[1])]))
+        scale = math.prod(p[2] for p in parts if not (p[0] or p[1]))
         xs, ys, const = variable[0] if variable else ({}, {}, 1.0)
         return _add({}, xs, scale), _add({}, ys, scale), scale * const
     raise VnnlibError(f"unknown operator {op!r} in term {_show(term)}", source, term.line)
@@ -313,6 +427,8 @@ def _tighten(atom: _Atom, lower: np.ndarray, upper: np.ndarray, source: str) -> 
         raise VnnlibError(f"input constraint over {names} is not a bound on a single variable", source, atom.line)
     ((i, a),) = atom.xs.items()
     value = (0.0 - atom.const) / a + 0.0  # + 0.0 turns a -0.0 bound into 0.0, as the official parser reads it
+    if not np.isfinite(value):
+        raise VnnlibError(f"the bound on X_{i} is beyond the range of float64", source, atom.line)
     if a > 0:
         upper[i] = min(upper[i], value)
     else:
