@@ -131,3 +131,11 @@ def test_empty_corpus_is_named_before_training(tmp_path: Path, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"Text corpus at '.*' is empty"):
         FedShardCLI(args=fit_args(f"--data.source={tmp_path}"))
+
+
+def test_binary_corpus_is_named_before_training(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *a, **k: pytest.fail("fit() was reached"))
+    (tmp_path / "notes.txt").write_text("some text")
+    (tmp_path / "model.txt").write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ValueError, match=r"Text corpus file '.*model\.txt' is not UTF-8 text: byte 0 is invalid"):
+        FedShardCLI(args=fit_args(f"--data.source={tmp_path}"))
