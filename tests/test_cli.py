@@ -10,7 +10,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedshard import DynamiQDDPStrategy, FLFSDPStrategy, FLHSDPStrategy
 from lightning_fedshard.cli import FedShardCLI, main
-from lightning_fedshard.strategies.dims import FedShardDims
 from tests.launching import REPO
 
 LAYOUTS = {
@@ -64,14 +63,7 @@ def test_recipe_parses_and_its_strategy_fits_its_cluster(recipe, capsys):
     assert "seq_len" not in model  # linked from data.seq_len
     # the strategy the YAML describes can be built and its mesh fills the recipe's world exactly
     built = cls(**strategy["init_args"])
-    dims = FedShardDims.resolve(
-        trainer["num_nodes"] * trainer["devices"],
-        trainer["devices"],
-        num_groups=built._num_groups,
-        replicate_size=built._replicate_size,
-        shard_size=built._shard_size,
-        default_replicate_size=built._min_replicate_size,
-    )
+    dims = built.layout(trainer["num_nodes"], trainer["devices"])
     if groups is not None:
         assert dims.num_groups == groups
     if recipe.parent.name == "llama3.1-8b":

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -67,11 +67,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
     DiLoCo outer optimizer. ``num_groups=1`` is plain HSDP (registered as ``"hsdp"``).
 
     Arguments:
-        num_groups: Federation groups F. ``None`` derives it from the world size.
-        shard_size: Ranks a parameter is sharded over (S). ``None`` takes the devices per node, or the
-            ranks left over when ``num_groups`` and ``replicate_size`` are both given.
-        replicate_size: HSDP replicas per group (R ≥ 2). ``None`` takes the ranks left over when
-            ``num_groups`` is given, else 2.
+        num_groups: Federation groups F. ``None`` derives it from the world (at least 2).
+        shard_size: Ranks a parameter is sharded over (S). ``None`` derives it: the most devices of one node
+            that leave room for the other dimensions.
+        replicate_size: HSDP replicas per group (R ≥ 2). ``None`` derives it (the fewest, at least 2).
+            Sizes that are given are kept as given; the layout chosen for the others is logged (see
+            :meth:`layout`): on one node of 4 devices 2 groups × 2 replicas × 1 shard, of 8 2 × 2 × 2.
         sync_every: Optimizer steps between cross-group syncs (H). With gradient accumulation one
             accumulation window is one step.
         outer_optimizer: ``"avg"`` (FedAvg, as in the FL+FSDP paper) or ``"nesterov"`` (DiLoCo: SGD with
@@ -184,23 +185,42 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 " (strategy='fl_fsdp') for groups without replication."
             )
 
-    def _resolve_dims(self) -> FedShardDims:
-        dims = FedShardDims.resolve(
-            self.num_nodes * self.num_processes,
-            self.num_processes,
-            num_groups=self._num_groups,
-            replicate_size=self._replicate_size,
-            shard_size=self._shard_size,
-            default_replicate_size=self._min_replicate_size,
-        )
-        self._check_replicate_size(dims.replicate_size)
+    def layout(self, num_nodes: int, devices: int) -> FedShardDims:
+        """The mesh this strategy uses on ``num_nodes`` nodes of ``devices`` processes each.
+
+        Sizes given to the constructor are kept; the others are derived so that the layout has every
+        dimension the strategy promises (FL: at least two groups; HSDP: at least two replicas), sharding over
+        as many devices of one node as are left (see :meth:`FedShardDims.resolve`). Example::
+
+            FLHSDPStrategy().layout(num_nodes=1, devices=8)  # FedShardDims(num_groups=2, replicate_size=2, shard_size=2)
+        """
+        try:
+            dims = FedShardDims.resolve(
+                num_nodes * devices,
+                devices,
+                num_groups=self._num_groups,
+                replicate_size=self._replicate_size,
+                shard_size=self._shard_size,
+                min_groups=2,
+                min_replicas=self._min_replicate_size,
+            )
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__} on {num_nodes} node(s) × {devices} device(s): {error}") from None
         return dims
+
+    def _resolve_dims(self) -> FedShardDims:
+        return self.layout(self.num_nodes, self.num_processes)
 
     @override
     def _configure_launcher(self) -> None:
         # Lightning calls this once devices and nodes are known and before any process starts: the
         # earliest point at which a mesh that cannot fit the world can be rejected.
         self._dims = self._resolve_dims()
+        if None in (self._num_groups, self._replicate_size, self._shard_size):
+            rank_zero_info(
+                f"{type(self).__name__}: {self._dims.describe()} over {self.num_nodes} node(s) × {self.num_processes}"
+                " device(s), derived from the world; pass num_groups, replicate_size and shard_size to choose."
+            )
         super()._configure_launcher()
 
     @override
