@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -118,9 +119,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         name = type(self).__name__
-        if not isinstance(sync_every, int) or sync_every < 1:
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        if not _is_int(sync_every) or sync_every < 1:
             raise ValueError(
                 f"{name}: `sync_every` must be an integer ≥ 1 (optimizer steps between syncs), got {sync_every!r}."
             )
@@ -128,10 +129,14 @@ class FLHSDPStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"{name}: unknown `outer_optimizer={outer_optimizer!r}`; choose one of {OUTER_OPTIMIZERS}."
             )
+        if not _is_real(outer_lr) or not 0 < outer_lr < math.inf:
+            raise ValueError(f"{name}: `outer_lr` must be a finite number > 0, got {outer_lr!r}.")
+        if not _is_real(outer_momentum) or not 0 <= outer_momentum < 1:
+            raise ValueError(f"{name}: `outer_momentum` must be a number in [0, 1), got {outer_momentum!r}.")
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"{name}: unknown `sync_mode={sync_mode!r}`; choose one of {SYNC_MODES}.")
         for arg, value in (("num_groups", num_groups), ("shard_size", shard_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}: `{arg}` must be a positive integer or None, got {value!r}.")
         if replicate_size is not None:
             self._check_replicate_size(replicate_size)
@@ -140,12 +145,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self._replicate_size = replicate_size
         self.sync_every = sync_every
         self.outer_optimizer = outer_optimizer
-        self._outer_lr = outer_lr
-        self._outer_momentum = outer_momentum
+        self._outer_lr = float(outer_lr)
+        self._outer_momentum = float(outer_momentum)
         self._sync_dtype = _resolve_dtype(sync_dtype, name)
         self.sync_mode = sync_mode
-        self._auto_wrap = tuple(_resolve_class(c, name) for c in auto_wrap or ())
-        self._activation_checkpointing = tuple(_resolve_class(c, name) for c in activation_checkpointing or ())
+        self._auto_wrap = _resolve_classes(auto_wrap, "auto_wrap", name)
+        self._activation_checkpointing = _resolve_classes(activation_checkpointing, "activation_checkpointing", name)
         self._dims: FedShardDims | None = None
         self._group_pg: dist.ProcessGroup | None = None
         self._averager: FedAverager | None = None
@@ -178,7 +183,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         return self.device_mesh.get_local_rank("fed")
 
     def _check_replicate_size(self, replicate_size: int) -> None:
-        if not isinstance(replicate_size, int) or replicate_size < self._min_replicate_size:
+        if not _is_int(replicate_size) or replicate_size < self._min_replicate_size:
             raise ValueError(
                 f"{type(self).__name__}: `replicate_size` must be an integer ≥ {self._min_replicate_size}, got"
                 f" {replicate_size!r}. FL+HSDP needs at least two replicas per group; use FLFSDPStrategy"
@@ -456,23 +461,48 @@ class FLHSDPStrategy(ModelParallelStrategy):
             destroy_process_group_at_exit()
 
 
+#: dtypes the cross-group all-reduce averages in; narrower floats (float8) have no reduction in the backends.
+SYNC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _resolve_dtype(dtype: str | torch.dtype, owner: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"{owner}: `sync_dtype={dtype!r}` is not a floating-point torch dtype (e.g. 'float32').")
+    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), None)
+    if resolved not in SYNC_DTYPES:
+        names = ", ".join(repr(str(d).removeprefix("torch.")) for d in SYNC_DTYPES)
+        raise ValueError(f"{owner}: `sync_dtype={dtype!r}` is not a dtype the average can run in; use one of {names}.")
     return resolved
 
 
-def _resolve_class(spec: str | type[nn.Module], owner: str) -> type[nn.Module]:
+def _resolve_classes(
+    specs: Sequence[str | type[nn.Module]] | None, arg: str, owner: str
+) -> tuple[type[nn.Module], ...]:
+    if specs is None:
+        return ()
+    if isinstance(specs, (str, type)):
+        raise TypeError(
+            f"{owner}: `{arg}` takes a list of module classes or import paths, got the single {specs!r};"
+            f" write [{specs!r}]."
+        )
+    return tuple(_resolve_class(spec, arg, owner) for spec in specs)
+
+
+def _resolve_class(spec: str | type[nn.Module], arg: str, owner: str) -> type[nn.Module]:
     if isinstance(spec, type):
-        return spec
-    module_name, _, class_name = str(spec).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"{owner}: cannot import the `auto_wrap` class {spec!r} ({err}).") from err
+        cls = spec
+    else:
+        module_name, _, class_name = str(spec).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"{owner}: cannot import the `{arg}` class {spec!r} ({err}).") from err
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"{owner}: `auto_wrap` entry {spec!r} is not an nn.Module class.")
+        raise TypeError(f"{owner}: `{arg}` entry {spec!r} is not an nn.Module class.")
     return cls

@@ -1,10 +1,13 @@
 """Bad configurations fail with a clear message when the Trainer is built, before any process starts."""
 
 import logging
+import math
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
 
 from lightning_fedshard import STRATEGY_NAMES, DynamiQDDPStrategy, FLFSDPStrategy, FLHSDPStrategy, register_strategies
 
@@ -51,7 +54,7 @@ def test_unknown_outer_optimizer():
 def test_unknown_sync_mode_and_dtype():
     with pytest.raises(ValueError, match="unknown `sync_mode='some'`"):
         FLHSDPStrategy(sync_mode="some")
-    with pytest.raises(ValueError, match="`sync_dtype='int8'` is not a floating-point"):
+    with pytest.raises(ValueError, match="`sync_dtype='int8'` is not a dtype the average can run in"):
         FLHSDPStrategy(sync_dtype="int8")
 
 
@@ -63,11 +66,48 @@ def test_fl_hsdp_needs_two_replicas():
         build(FLHSDPStrategy(num_groups=1, shard_size=4))
 
 
-def test_auto_wrap_must_name_a_module_class():
+def test_auto_wrap_must_name_module_classes():
     with pytest.raises(ValueError, match="cannot import the `auto_wrap` class 'no.such.Block'"):
         FLFSDPStrategy(auto_wrap=["no.such.Block"])
-    with pytest.raises(ValueError, match="is not an nn.Module class"):
+    with pytest.raises(TypeError, match="`auto_wrap` entry 'collections.OrderedDict' is not an nn.Module class"):
         FLFSDPStrategy(auto_wrap=["collections.OrderedDict"])
+    # a bare string is one path, not a list of one-letter paths ("cannot import class 't'")
+    with pytest.raises(
+        TypeError, match=r"`auto_wrap` takes a list .* got the single 'pkg.Block'; write \['pkg.Block'\]"
+    ):
+        FLFSDPStrategy(auto_wrap="pkg.Block")
+    with pytest.raises(TypeError, match=r"`activation_checkpointing` takes a list .* write \[<class"):
+        FLHSDPStrategy(activation_checkpointing=nn.Linear)
+    with pytest.raises(ValueError, match="cannot import the `activation_checkpointing` class 'no.Such'"):
+        FLHSDPStrategy(activation_checkpointing=["no.Such"])
+
+
+@pytest.mark.parametrize("outer_lr", [0, -0.5, math.nan, math.inf, "0.7", True])
+def test_outer_lr_must_be_a_finite_positive_number(outer_lr):
+    with pytest.raises(ValueError, match=r"`outer_lr` must be a finite number > 0, got"):
+        FLHSDPStrategy(outer_lr=outer_lr)
+
+
+@pytest.mark.parametrize("outer_momentum", [1, 1.5, -0.1, math.nan])
+def test_outer_momentum_must_be_below_one(outer_momentum):
+    with pytest.raises(ValueError, match=r"`outer_momentum` must be a number in \[0, 1\), got"):
+        FLFSDPStrategy(outer_momentum=outer_momentum)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", torch.float8_e5m2, torch.int32, "nonsense"])
+def test_sync_dtype_must_be_one_the_average_runs_in(dtype):
+    with pytest.raises(ValueError, match=r"is not a dtype the average can run in; use one of 'float16', 'bfloat16'"):
+        FLHSDPStrategy(sync_dtype=dtype)
+    assert FLHSDPStrategy(sync_dtype=torch.bfloat16)._sync_dtype is torch.bfloat16
+
+
+def test_booleans_are_not_sizes_or_step_counts():
+    with pytest.raises(ValueError, match="`sync_every` must be an integer ≥ 1"):
+        FLFSDPStrategy(sync_every=True)
+    with pytest.raises(ValueError, match="`num_groups` must be a positive integer or None, got True"):
+        FLFSDPStrategy(num_groups=True)
+    with pytest.raises(ValueError, match="`replicate_size` must be an integer ≥ 2, got True"):
+        FLHSDPStrategy(replicate_size=True)
 
 
 def test_names_are_registered_once_and_resolve_to_the_strategies():
