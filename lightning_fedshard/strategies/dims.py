@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fedshard.distributed.timeouts import init_device_mesh_with_timeout
 
 __all__ = ["MESH_DIM_NAMES", "FedShardDims"]
 
@@ -112,10 +115,11 @@ class FedShardDims:
         _, replicate, shard = max(candidates, key=lambda c: (devices_per_node % c[2] == 0, c[2], -c[1]))
         return cls(world_size // (replicate * shard), replicate, shard)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 3-D ``("fed", "replicate", "shard")`` mesh over all ranks; needs an initialised process group."""
-        return init_device_mesh(
-            device_type, (self.num_groups, self.replicate_size, self.shard_size), mesh_dim_names=MESH_DIM_NAMES
+    def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+        """The 3-D ``("fed", "replicate", "shard")`` mesh over all ranks, each of its process groups waiting at most
+        ``timeout`` in a collective (``None``: torch's default); needs an initialised process group."""
+        return init_device_mesh_with_timeout(
+            device_type, (self.num_groups, self.replicate_size, self.shard_size), MESH_DIM_NAMES, timeout
         )
 
     def describe(self) -> str:

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fedshard.distributed import JobEnd, check_timeout, destroy_process_group_at_exit
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
 from lightning_fedshard.dynamiq.plugin import DynamiQ
 from lightning_fedshard.dynamiq.settings import Compression
@@ -46,7 +47,6 @@ from lightning_fedshard.strategies.apply import (
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
-from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     META_FILENAME,
@@ -86,6 +86,11 @@ class FLHSDPStrategy(ModelParallelStrategy):
             LightningModule's ``configure_model`` does not call ``fully_shard`` itself.
         activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
             backward pass instead of stored (applied before ``auto_wrap`` sharding).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... (``None``: the device's default).
+        timeout: How long a collective of any of the run's process groups (the world, ``fed``, ``replicate``,
+            ``shard`` and the per-group checkpoint groups) waits for the other ranks before it fails. A rank that
+            fails takes the others on its machine with it (a stopped one too), so every rank exits non-zero; a
+            SIGTERM stop exits with status 143 (:class:`~lightning_fedshard.distributed.JobEnd`).
 
     With ``precision="bf16-mixed"`` the FSDP2 units gather parameters in bf16 and reduce gradients in fp32
     (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay in fp32. A model built on the
@@ -120,7 +125,11 @@ class FLHSDPStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         name = type(self).__name__
-        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout, name),
+        )
         if not _is_int(sync_every) or sync_every < 1:
             raise ValueError(
                 f"{name}: `sync_every` must be an integer ≥ 1 (optimizer steps between syncs), got {sync_every!r}."
@@ -158,7 +167,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.optimizer_steps = 0
         self.syncs = 0
         self._steps_at_last_sync = 0
-        self._failed = False
+        self.job_end = JobEnd()
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -231,8 +240,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
+        self.job_end.record()
         self._dims = self._resolve_dims()
-        self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        self._device_mesh = self._dims.build_mesh(self.root_device.type, self._timeout)
         self._group_pg = self._build_group_process_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.fsdp_mesh
@@ -242,7 +252,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if not dims.fed_enabled:
             return None  # the default (world) group
         ranks = [list(range(g * dims.group_size, (g + 1) * dims.group_size)) for g in range(dims.num_groups)]
-        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=self._timeout)
         return group
 
     @property
@@ -258,6 +268,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
+        self.job_end.setup(trainer)
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
@@ -451,13 +462,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
         super().on_exception(exception)
+        self.job_end.on_exception(exception)
 
     @override
     def teardown(self) -> None:
         super().teardown()
-        if self._process_group_backend == "gloo" and not self._failed:
+        if self._process_group_backend == "gloo" and not self.job_end.failed:
             destroy_process_group_at_exit()
 
 

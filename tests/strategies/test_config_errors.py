@@ -2,6 +2,7 @@
 
 import logging
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -92,6 +93,21 @@ def test_outer_lr_must_be_a_finite_positive_number(outer_lr):
 def test_outer_momentum_must_be_below_one(outer_momentum):
     with pytest.raises(ValueError, match=r"`outer_momentum` must be a number in \[0, 1\), got"):
         FLFSDPStrategy(outer_momentum=outer_momentum)
+
+
+@pytest.mark.parametrize("strategy", [FLHSDPStrategy, FLFSDPStrategy, DynamiQDDPStrategy])
+def test_timeout_must_be_a_positive_duration(strategy):
+    for bad in (timedelta(seconds=-30), timedelta(0)):
+        with pytest.raises(ValueError, match=r"`timeout` must be a positive duration, got"):
+            strategy(timeout=bad)
+    with pytest.raises(TypeError, match=r"`timeout` must be a datetime.timedelta"):
+        strategy(timeout=30)
+    # the form a YAML config holds (str(timedelta)) is read, and checked the same way
+    assert strategy(timeout="0:00:30")._timeout == timedelta(seconds=30)
+    with pytest.raises(ValueError, match=r"`timeout` must be a positive duration, got -1 day, 23:59:30"):
+        strategy(timeout="-1 day, 23:59:30")
+    with pytest.raises(ValueError, match=r"`timeout='30s'` is not a duration like '0:00:30'"):
+        strategy(timeout="30s")
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", torch.float8_e5m2, torch.int32, "nonsense"])
