@@ -10,7 +10,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedshard import DynamiQDDPStrategy, FLFSDPStrategy, FLHSDPStrategy
 from lightning_fedshard.cli import FedShardCLI, main
-from lightning_fedshard.strategies.dims import FedShardDims
 from tests.launching import REPO
 
 LAYOUTS = {
@@ -64,14 +63,7 @@ def test_recipe_parses_and_its_strategy_fits_its_cluster(recipe, capsys):
     assert "seq_len" not in model  # linked from data.seq_len
     # the strategy the YAML describes can be built and its mesh fills the recipe's world exactly
     built = cls(**strategy["init_args"])
-    dims = FedShardDims.resolve(
-        trainer["num_nodes"] * trainer["devices"],
-        trainer["devices"],
-        num_groups=built._num_groups,
-        replicate_size=built._replicate_size,
-        shard_size=built._shard_size,
-        default_replicate_size=built._min_replicate_size,
-    )
+    dims = built.layout(trainer["num_nodes"], trainer["devices"])
     if groups is not None:
         assert dims.num_groups == groups
     if recipe.parent.name == "llama3.1-8b":
@@ -130,4 +122,12 @@ def test_empty_corpus_is_named_before_training(tmp_path: Path, monkeypatch):
     monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *a, **k: pytest.fail("fit() was reached"))
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"Text corpus at '.*' is empty"):
+        FedShardCLI(args=fit_args(f"--data.source={tmp_path}"))
+
+
+def test_binary_corpus_is_named_before_training(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *a, **k: pytest.fail("fit() was reached"))
+    (tmp_path / "notes.txt").write_text("some text")
+    (tmp_path / "model.txt").write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ValueError, match=r"Text corpus file '.*model\.txt' is not UTF-8 text: byte 0 is invalid"):
         FedShardCLI(args=fit_args(f"--data.source={tmp_path}"))

@@ -5,6 +5,7 @@ Every loader returns a ``datasets`` dataset with a single ``"text"`` column, one
 
 from __future__ import annotations
 
+import codecs
 import glob
 import sysconfig
 from pathlib import Path
@@ -13,8 +14,9 @@ from typing import Literal
 import datasets
 
 __all__ = [
-    "corpus_files",
     "VALIDATION_MODULES",
+    "check_text_files",
+    "corpus_files",
     "load_hub_corpus",
     "load_text_corpus",
     "stdlib_corpus",
@@ -26,6 +28,10 @@ VALIDATION_MODULES = ("difflib", "random", "string", "textwrap")
 
 # One ``datasets`` builder reads all the files of a corpus, so a corpus may not mix builders.
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+#: Leading bytes of each text file checked before any process starts: a binary file fails within them, and
+#: reading no more keeps the check cheap for a corpus of any size (a later bad byte is named when loading).
+TEXT_CHECK_BYTES = 1 << 16
+_READ_BYTES = 1 << 20
 
 
 def stdlib_sources() -> list[Path]:
@@ -75,6 +81,42 @@ def corpus_files(path: str | Path) -> list[Path]:
     return files
 
 
+def check_text_files(files: list[Path], head_bytes: int | None = TEXT_CHECK_BYTES) -> None:
+    """Raises a ``ValueError`` naming the first ``.txt``/``.jsonl``/``.json`` file that is not UTF-8 text (an
+    invalid byte, or a NUL byte, which text does not hold). Only the first ``head_bytes`` of each file are read
+    (``None``: all of it). Parquet files are binary by design and are left to their reader."""
+    for file in files:
+        if _BUILDERS.get(file.suffix) in ("text", "json"):
+            _check_utf8(file, head_bytes)
+
+
+def _check_utf8(file: Path, head_bytes: int | None) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, remaining = 0, head_bytes
+    with file.open("rb") as stream:
+        while (want := _READ_BYTES if remaining is None else min(_READ_BYTES, remaining)) > 0:
+            chunk = stream.read(want)
+            at_end = len(chunk) < want  # a character cut by the end of the head is not an error; by the file's, it is
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=at_end)
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"Text corpus file {str(file)!r} is not UTF-8 text: byte {offset - pending + error.start} is"
+                    f" invalid ({error.reason}). Convert it to UTF-8 or remove it from the corpus."
+                ) from None
+            if (nul := chunk.find(b"\0")) >= 0:
+                raise ValueError(
+                    f"Text corpus file {str(file)!r} is not UTF-8 text: byte {offset + nul} is NUL (binary data)."
+                    " Remove it from the corpus."
+                )
+            offset += len(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
+            if at_end:
+                return
+
+
 def load_text_corpus(
     path: str | Path, text_field: str = "text", cache_dir: str | Path | None = None
 ) -> datasets.Dataset:
@@ -85,6 +127,7 @@ def load_text_corpus(
     where ``datasets`` keeps its Arrow copy (``None``: the default Hugging Face cache); nothing is downloaded.
     """
     files = corpus_files(path)
+    check_text_files(files)
     builder = _BUILDERS[files[0].suffix]
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
@@ -96,6 +139,7 @@ def load_text_corpus(
             **options,
         )
     except Exception as e:  # datasets raises assorted types (even StopIteration) for empty or broken files
+        check_text_files(files, head_bytes=None)  # a bad byte past the checked head: name its file
         raise ValueError(
             f"load_text_corpus: could not read the {builder} files at {str(path)!r} ({type(e).__name__}: {e}); "
             "check that they are well-formed and not empty."

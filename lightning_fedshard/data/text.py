@@ -12,7 +12,13 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_fedshard.data.corpus import corpus_files, load_hub_corpus, load_text_corpus, stdlib_corpus
+from lightning_fedshard.data.corpus import (
+    check_text_files,
+    corpus_files,
+    load_hub_corpus,
+    load_text_corpus,
+    stdlib_corpus,
+)
 from lightning_fedshard.data.packing import PackedStream, pack_documents
 from lightning_fedshard.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -107,7 +113,8 @@ class TextDataModule(pl.LightningDataModule):
         if source == _HUB_PREFIX:
             raise ValueError(f"TextDataModule: `source` {source!r} names no dataset; use 'hf://<dataset name>'.")
         if source is not None and not source.startswith(_HUB_PREFIX):
-            corpus_files(source)  # a missing, empty or mixed-format local corpus fails here, not on every rank
+            # a missing, empty, mixed-format or binary local corpus fails here, not on every rank
+            check_text_files(corpus_files(source))
         self.source = source
         self.text_field = text_field
         self.hub_config = hub_config

@@ -24,7 +24,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
     Example::
 
         import lightning_fedshard  # registers the strategy names
-        trainer = Trainer(accelerator="cpu", devices=4, strategy="fl_fsdp")  # 4 processes, groups of devices/node
+        trainer = Trainer(accelerator="cpu", devices=4, strategy="fl_fsdp")  # 2 groups × 2 shards
         trainer = Trainer(accelerator="cpu", devices=4, strategy=FLFSDPStrategy(num_groups=2, sync_every=4))
     """
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +19,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fedshard.distributed import JobEnd, check_timeout, destroy_process_group_at_exit
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
 from lightning_fedshard.dynamiq.plugin import DynamiQ
 from lightning_fedshard.dynamiq.settings import Compression
@@ -46,7 +48,6 @@ from lightning_fedshard.strategies.apply import (
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
-from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     FILES_KEY,
@@ -72,11 +73,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
     DiLoCo outer optimizer. ``num_groups=1`` is plain HSDP (registered as ``"hsdp"``).
 
     Arguments:
-        num_groups: Federation groups F. ``None`` derives it from the world size.
-        shard_size: Ranks a parameter is sharded over (S). ``None`` takes the devices per node, or the
-            ranks left over when ``num_groups`` and ``replicate_size`` are both given.
-        replicate_size: HSDP replicas per group (R ≥ 2). ``None`` takes the ranks left over when
-            ``num_groups`` is given, else 2.
+        num_groups: Federation groups F. ``None`` derives it from the world (at least 2).
+        shard_size: Ranks a parameter is sharded over (S). ``None`` derives it: the most devices of one node
+            that leave room for the other dimensions.
+        replicate_size: HSDP replicas per group (R ≥ 2). ``None`` derives it (the fewest, at least 2).
+            Sizes that are given are kept as given; the layout chosen for the others is logged (see
+            :meth:`layout`): on one node of 4 devices 2 groups × 2 replicas × 1 shard, of 8 2 × 2 × 2.
         sync_every: Optimizer steps between cross-group syncs (H). With gradient accumulation one
             accumulation window is one step.
         outer_optimizer: ``"avg"`` (FedAvg, as in the FL+FSDP paper) or ``"nesterov"`` (DiLoCo: SGD with
@@ -89,6 +91,11 @@ class FLHSDPStrategy(ModelParallelStrategy):
             LightningModule's ``configure_model`` does not call ``fully_shard`` itself.
         activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
             backward pass instead of stored (applied before ``auto_wrap`` sharding).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... (``None``: the device's default).
+        timeout: How long a collective of any of the run's process groups (the world, ``fed``, ``replicate``,
+            ``shard`` and the per-group checkpoint groups) waits for the other ranks before it fails. A rank that
+            fails takes the others on its machine with it (a stopped one too), so every rank exits non-zero; a
+            SIGTERM stop exits with status 143 (:class:`~lightning_fedshard.distributed.JobEnd`).
 
     With ``precision="bf16-mixed"`` the FSDP2 units gather parameters in bf16 and reduce gradients in fp32
     (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay in fp32. A model built on the
@@ -122,9 +129,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         name = type(self).__name__
-        if not isinstance(sync_every, int) or sync_every < 1:
+        super().__init__(
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout, name),
+        )
+        if not _is_int(sync_every) or sync_every < 1:
             raise ValueError(
                 f"{name}: `sync_every` must be an integer ≥ 1 (optimizer steps between syncs), got {sync_every!r}."
             )
@@ -132,10 +143,14 @@ class FLHSDPStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"{name}: unknown `outer_optimizer={outer_optimizer!r}`; choose one of {OUTER_OPTIMIZERS}."
             )
+        if not _is_real(outer_lr) or not 0 < outer_lr < math.inf:
+            raise ValueError(f"{name}: `outer_lr` must be a finite number > 0, got {outer_lr!r}.")
+        if not _is_real(outer_momentum) or not 0 <= outer_momentum < 1:
+            raise ValueError(f"{name}: `outer_momentum` must be a number in [0, 1), got {outer_momentum!r}.")
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"{name}: unknown `sync_mode={sync_mode!r}`; choose one of {SYNC_MODES}.")
         for arg, value in (("num_groups", num_groups), ("shard_size", shard_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}: `{arg}` must be a positive integer or None, got {value!r}.")
         if replicate_size is not None:
             self._check_replicate_size(replicate_size)
@@ -144,12 +159,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self._replicate_size = replicate_size
         self.sync_every = sync_every
         self.outer_optimizer = outer_optimizer
-        self._outer_lr = outer_lr
-        self._outer_momentum = outer_momentum
+        self._outer_lr = float(outer_lr)
+        self._outer_momentum = float(outer_momentum)
         self._sync_dtype = _resolve_dtype(sync_dtype, name)
         self.sync_mode = sync_mode
-        self._auto_wrap = tuple(_resolve_class(c, name) for c in auto_wrap or ())
-        self._activation_checkpointing = tuple(_resolve_class(c, name) for c in activation_checkpointing or ())
+        self._auto_wrap = _resolve_classes(auto_wrap, "auto_wrap", name)
+        self._activation_checkpointing = _resolve_classes(activation_checkpointing, "activation_checkpointing", name)
         self._dims: FedShardDims | None = None
         self._group_pg: dist.ProcessGroup | None = None
         self._averager: FedAverager | None = None
@@ -157,7 +172,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.optimizer_steps = 0
         self.syncs = 0
         self._steps_at_last_sync = 0
-        self._failed = False
+        self.job_end = JobEnd()
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -182,37 +197,57 @@ class FLHSDPStrategy(ModelParallelStrategy):
         return self.device_mesh.get_local_rank("fed")
 
     def _check_replicate_size(self, replicate_size: int) -> None:
-        if not isinstance(replicate_size, int) or replicate_size < self._min_replicate_size:
+        if not _is_int(replicate_size) or replicate_size < self._min_replicate_size:
             raise ValueError(
                 f"{type(self).__name__}: `replicate_size` must be an integer ≥ {self._min_replicate_size}, got"
                 f" {replicate_size!r}. FL+HSDP needs at least two replicas per group; use FLFSDPStrategy"
                 " (strategy='fl_fsdp') for groups without replication."
             )
 
-    def _resolve_dims(self) -> FedShardDims:
-        dims = FedShardDims.resolve(
-            self.num_nodes * self.num_processes,
-            self.num_processes,
-            num_groups=self._num_groups,
-            replicate_size=self._replicate_size,
-            shard_size=self._shard_size,
-            default_replicate_size=self._min_replicate_size,
-        )
-        self._check_replicate_size(dims.replicate_size)
+    def layout(self, num_nodes: int, devices: int) -> FedShardDims:
+        """The mesh this strategy uses on ``num_nodes`` nodes of ``devices`` processes each.
+
+        Sizes given to the constructor are kept; the others are derived so that the layout has every
+        dimension the strategy promises (FL: at least two groups; HSDP: at least two replicas), sharding over
+        as many devices of one node as are left (see :meth:`FedShardDims.resolve`). Example::
+
+            FLHSDPStrategy().layout(num_nodes=1, devices=8)  # FedShardDims(num_groups=2, replicate_size=2, shard_size=2)
+        """
+        try:
+            dims = FedShardDims.resolve(
+                num_nodes * devices,
+                devices,
+                num_groups=self._num_groups,
+                replicate_size=self._replicate_size,
+                shard_size=self._shard_size,
+                min_groups=2,
+                min_replicas=self._min_replicate_size,
+            )
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__} on {num_nodes} node(s) × {devices} device(s): {error}") from None
         return dims
+
+    def _resolve_dims(self) -> FedShardDims:
+        return self.layout(self.num_nodes, self.num_processes)
 
     @override
     def _configure_launcher(self) -> None:
         # Lightning calls this once devices and nodes are known and before any process starts: the
         # earliest point at which a mesh that cannot fit the world can be rejected.
         self._dims = self._resolve_dims()
+        if None in (self._num_groups, self._replicate_size, self._shard_size):
+            rank_zero_info(
+                f"{type(self).__name__}: {self._dims.describe()} over {self.num_nodes} node(s) × {self.num_processes}"
+                " device(s), derived from the world; pass num_groups, replicate_size and shard_size to choose."
+            )
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
+        self.job_end.record()
         self._dims = self._resolve_dims()
-        self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        self._device_mesh = self._dims.build_mesh(self.root_device.type, self._timeout)
         self._group_pg = self._build_group_process_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.fsdp_mesh
@@ -222,7 +257,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if not dims.fed_enabled:
             return None  # the default (world) group
         ranks = [list(range(g * dims.group_size, (g + 1) * dims.group_size)) for g in range(dims.num_groups)]
-        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=self._timeout)
         return group
 
     @property
@@ -238,6 +273,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
+        self.job_end.setup(trainer)
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
@@ -474,13 +510,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
         super().on_exception(exception)
+        self.job_end.on_exception(exception)
 
     @override
     def teardown(self) -> None:
         super().teardown()
-        if self._process_group_backend == "gloo" and not self._failed:
+        if self._process_group_backend == "gloo" and not self.job_end.failed:
             destroy_process_group_at_exit()
 
 
@@ -497,23 +533,48 @@ def _message(error: Exception | None) -> str | None:
     return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
+#: dtypes the cross-group all-reduce averages in; narrower floats (float8) have no reduction in the backends.
+SYNC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _resolve_dtype(dtype: str | torch.dtype, owner: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"{owner}: `sync_dtype={dtype!r}` is not a floating-point torch dtype (e.g. 'float32').")
+    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), None)
+    if resolved not in SYNC_DTYPES:
+        names = ", ".join(repr(str(d).removeprefix("torch.")) for d in SYNC_DTYPES)
+        raise ValueError(f"{owner}: `sync_dtype={dtype!r}` is not a dtype the average can run in; use one of {names}.")
     return resolved
 
 
-def _resolve_class(spec: str | type[nn.Module], owner: str) -> type[nn.Module]:
+def _resolve_classes(
+    specs: Sequence[str | type[nn.Module]] | None, arg: str, owner: str
+) -> tuple[type[nn.Module], ...]:
+    if specs is None:
+        return ()
+    if isinstance(specs, (str, type)):
+        raise TypeError(
+            f"{owner}: `{arg}` takes a list of module classes or import paths, got the single {specs!r};"
+            f" write [{specs!r}]."
+        )
+    return tuple(_resolve_class(spec, arg, owner) for spec in specs)
+
+
+def _resolve_class(spec: str | type[nn.Module], arg: str, owner: str) -> type[nn.Module]:
     if isinstance(spec, type):
-        return spec
-    module_name, _, class_name = str(spec).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"{owner}: cannot import the `auto_wrap` class {spec!r} ({err}).") from err
+        cls = spec
+    else:
+        module_name, _, class_name = str(spec).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"{owner}: cannot import the `{arg}` class {spec!r} ({err}).") from err
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"{owner}: `auto_wrap` entry {spec!r} is not an nn.Module class.")
+        raise TypeError(f"{owner}: `{arg}` entry {spec!r} is not an nn.Module class.")
     return cls

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_fedshard.data import VALIDATION_MODULES, load_hub_corpus, load_text_corpus, stdlib_corpus
+from lightning_fedshard.data.corpus import TEXT_CHECK_BYTES, check_text_files
 
 
 @pytest.fixture(autouse=True)
@@ -114,3 +115,33 @@ def test_hub_corpus_streams_the_text_column(monkeypatch):
     assert list(corpus) == [{"text": "hello"}, {"text": "world"}]
     with pytest.raises(ValueError, match=r"load_hub_corpus: split 'train' of 'org/web' has no column 'body'"):
         load_hub_corpus("org/web", text_field="body")
+
+
+def test_binary_files_are_named_as_not_utf8_text_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the corpus was loaded"))
+    (tmp_path / "good.txt").write_text("plain text, and ünïcode\n", encoding="utf-8")
+    (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    with pytest.raises(ValueError, match=r"file '.*image\.txt' is not UTF-8 text: byte 0 is invalid"):
+        load_text_corpus(tmp_path)
+    (tmp_path / "image.txt").unlink()
+    (tmp_path / "zeros.txt").write_bytes(b"text\0\0\0")  # decodes, but no text holds NUL bytes
+    with pytest.raises(ValueError, match=r"file '.*zeros\.txt' is not UTF-8 text: byte 4 is NUL"):
+        load_text_corpus(tmp_path)
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"file '.*latin1\.jsonl' is not UTF-8 text: byte 13 is invalid"):
+        check_text_files([tmp_path / "latin1.jsonl"])
+
+
+def test_a_bad_byte_past_the_checked_head_is_named_when_loading(tmp_path):
+    head = TEXT_CHECK_BYTES
+    # a two-byte character across the end of the checked head is valid text, not a cut-off error
+    straddling = "a" * (head - 1) + "é" + "b" * 10
+    (tmp_path / "long.txt").write_bytes(straddling.encode("utf-8"))
+    assert load_text_corpus(tmp_path / "long.txt", cache_dir=tmp_path / "c1")["text"] == [straddling]
+    (tmp_path / "late.txt").write_bytes(b"a" * (head + 100) + b"\xff" + b"tail")
+    check_text_files([tmp_path / "late.txt"])  # the head is fine
+    with pytest.raises(ValueError, match=rf"file '.*late\.txt' is not UTF-8 text: byte {head + 100} is invalid"):
+        load_text_corpus(tmp_path / "late.txt", cache_dir=tmp_path / "c2")
+    (tmp_path / "cut.txt").write_bytes("ends mid-character é".encode()[:-1])
+    with pytest.raises(ValueError, match=r"file '.*cut\.txt' is not UTF-8 text: byte 19 is invalid"):
+        check_text_files([tmp_path / "cut.txt"])

@@ -205,6 +205,8 @@ def test_max_val_samples(tmp_path):
 
 def test_bad_arguments_fail_before_setup(tmp_path):
     source = _write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    (binary := tmp_path / "bin" / "blob.txt").parent.mkdir()
+    binary.write_bytes(b"\x00\xff\xfe binary")
     for kwargs, error, message in [
         ({"seq_len": 0}, ValueError, "`seq_len` must be ≥ 1, got 0"),
         ({"batch_size": 0}, ValueError, "`batch_size` must be ≥ 1, got 0"),
@@ -217,6 +219,7 @@ def test_bad_arguments_fail_before_setup(tmp_path):
         ({"source": str(tmp_path / "missing")}, FileNotFoundError, r"'.*missing' does not exist"),
         ({"source": str(tmp_path / "*.parquet")}, FileNotFoundError, r"no .* files found at '.*\*\.parquet'"),
         ({"source": "hf://"}, ValueError, "names no dataset"),
+        ({"source": str(binary)}, ValueError, r"file '.*blob\.txt' is not UTF-8 text: byte 1 is invalid"),
     ]:
         with pytest.raises(error, match=message):
             TextDataModule(**{"source": source, **kwargs})

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_fedshard.strategies.gloo_exit import destroy_process_group_at_exit
+from lightning_fedshard.distributed import TimedModelParallelStrategy, destroy_process_group_at_exit
 from lightning_fedshard.verify.config import Verdict, VerifyConfig
 from lightning_fedshard.verify.instances import Instance, run_instance
 from lightning_fedshard.verify.lightning.data import VnncompInstances, as_instance
@@ -195,8 +195,6 @@ def run_predict(
         if results is not None:  # rank 0
             print([(r.vnnlib, r.verdict.value) for r in results])
     """
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     config = config or VerifyConfig()
     strategy = Strategy(strategy)
     data_parallel, tensor_parallel = predict_layout(strategy, devices, group_size)
@@ -212,7 +210,7 @@ def run_predict(
     if devices == 1:
         trainer_strategy = "auto"
     else:
-        trainer_strategy = ModelParallelStrategy(
+        trainer_strategy = TimedModelParallelStrategy(
             data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel, process_group_backend=backend
         )
     trainer = Trainer(
