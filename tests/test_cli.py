@@ -108,8 +108,18 @@ def fit_args(*overrides: str) -> list[str]:
         (["--data.seq_len=2048"], ValueError, r"seq_len=2048 exceeds the rotary context.*max_seq_len=1024"),
         (["--model.preset=llama3.1-micro", "--model.overrides={vocab_size: 100}"], ValueError, "has 257 ids"),
         (["--trainer.strategy.init_args.num_groups=3"], ValueError, "num_groups"),
+        (["--trainer.strategy.init_args.outer_lr=0"], ValueError, "`outer_lr` must be a finite number > 0, got 0"),
+        (["--trainer.strategy.init_args.timeout=-1 day, 23:59:30"], ValueError, "`timeout` must be a positive"),
     ],
-    ids=["missing-data", "unknown-preset", "seq-len-over-context", "vocab-too-small", "mesh-does-not-fit"],
+    ids=[
+        "missing-data",
+        "unknown-preset",
+        "seq-len-over-context",
+        "vocab-too-small",
+        "mesh-does-not-fit",
+        "outer-lr-zero",
+        "negative-timeout",
+    ],
 )
 def test_bad_input_fails_before_training(overrides, error, match, monkeypatch):
     # No process group may start: the error must come from construction or the checks before fit.

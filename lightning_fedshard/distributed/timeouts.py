@@ -48,8 +48,8 @@ def init_device_mesh_with_timeout(
     (``None``: torch's default). Needs an initialised default process group."""
     override = None
     if timeout is not None:
-        options = _group_options(timeout)
-        override = {name: options for name in mesh_dim_names}
+        # one options object per dimension: NCCL writes each group's name and ranks into the options it is given
+        override = {name: _group_options(timeout) for name in mesh_dim_names}
     return init_device_mesh(
         device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names), backend_override=override
     )

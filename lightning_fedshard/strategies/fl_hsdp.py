@@ -224,7 +224,15 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 min_replicas=self._min_replicate_size,
             )
         except ValueError as error:
-            raise ValueError(f"{type(self).__name__} on {num_nodes} node(s) × {devices} device(s): {error}") from None
+            hint = (
+                " FL+HSDP needs at least two replicas per group; FLFSDPStrategy (strategy='fl_fsdp') has groups"
+                " without replication."
+                if self._min_replicate_size > 1
+                else ""
+            )
+            raise ValueError(
+                f"{type(self).__name__} on {num_nodes} node(s) × {devices} device(s): {error}{hint}"
+            ) from None
         return dims
 
     def _resolve_dims(self) -> FedShardDims:

@@ -42,7 +42,9 @@ class AnnounceAndPace(pl.Callback):
                 "mesh": list(strategy.device_mesh.shape),
                 "timeouts_s": {name: group_timeout_s(group) for name, group in groups.items()},
             }
-            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+            partial = self.out / f"rank{trainer.global_rank}.json.partial"
+            partial.write_text(json.dumps(record))
+            partial.rename(partial.with_suffix(""))  # the test reads a record whole or not at all
         time.sleep(STEP_SLEEP_S)
 
 

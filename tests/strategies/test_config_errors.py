@@ -65,6 +65,8 @@ def test_fl_hsdp_needs_two_replicas():
     # a given shard size of one node of 4 devices leaves one replica
     with pytest.raises(ValueError, match=r"on 1 node\(s\) × 4 device\(s\): Cannot lay out 4 processes .* shard_size=4"):
         build(FLHSDPStrategy(num_groups=1, shard_size=4))
+    with pytest.raises(ValueError, match=r"at least two replicas per group; FLFSDPStrategy \(strategy='fl_fsdp'\)"):
+        build(FLHSDPStrategy(num_groups=2, shard_size=2))
 
 
 def test_auto_wrap_must_name_module_classes():

@@ -1,5 +1,5 @@
-"""A run of 4 real gloo processes whose rank is frozen with SIGSTOP, or which is stopped with SIGTERM: every rank
-ends, with a status that says the run did not finish (tests/strategies/fault_worker.py)."""
+"""Runs of real gloo processes (tests/strategies/fault_worker.py) with a rank frozen by SIGSTOP, or stopped with
+SIGTERM: every rank ends, with a status that says the run did not finish."""
 
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ class Run:
             assert self.launcher.poll() is None, f"the run ended before training:\n{self.log()[-6000:]}"
             assert time.monotonic() < deadline, f"no training step after {START_DEADLINE_S} s:\n{self.log()[-6000:]}"
             time.sleep(0.2)
-        time.sleep(0.5)  # the json files are written whole, but give the last writer time to close
         self.ranks = [json.loads(f.read_text()) for f in files]
         self.processes = [RunProcess.of(r["pid"]) for r in self.ranks]
         return self.ranks
