@@ -98,6 +98,7 @@ def test_bad_arguments_and_a_missing_network_are_reported_before_anything_starts
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the benchmark itself (calibration + a shaped 4-rank run, ~100 s): with the benchmarks, for CI's 20 min
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_one_shaped_run_end_to_end(tmp_path):
     out = tmp_path / "multitier"
