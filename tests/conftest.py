@@ -27,10 +27,3 @@ def pytest_collection_modifyitems(config, items):
         elif "slow" in item.keywords and not config.getoption("-m"):
             item.add_marker(skip_slow)
 
-
-def pytest_sessionfinish(session, exitstatus):
-    # `make gpu-check` reads the session's peak CUDA memory from here (one number for all the GPU tests).
-    path = os.environ.get("FEDSHARD_CUDA_PEAK_FILE")
-    if path and torch.cuda.is_available() and torch.cuda.is_initialized():
-        with open(path, "w") as out:
-            out.write(f"{torch.cuda.max_memory_allocated()}\n")
