@@ -1,13 +1,15 @@
 # Set-up on a fresh machine: `make demo` runs the main job, `make test` the test suite.
 # Both create .venv on first use. TORCH pins the torch wheel installed before the package, so that
 # nothing later replaces it (here: the CPU wheel on disk; on a GPU machine the same pin gets CUDA).
+# `make gpu-check` runs every GPU check with the machine's own $(PYTHON) and no venv (a GPU machine brings its
+# torch build), in under 8 minutes; summary in $OUT or ./gpu-check; without CUDA it skips and exits 0.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test
+.PHONY: demo test gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,3 +22,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh

@@ -13,9 +13,17 @@ os.environ.setdefault("FEDSHARD_DYNAMIQ_COMPILE", "0")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("-m"):
-        return
+    # GPU tests run only when asked for (`pytest -m cuda`, `make gpu-check`), and only where there is a GPU.
+    if not torch.cuda.is_available():
+        skip_cuda = pytest.mark.skip(reason="cuda: CUDA is not available on this machine")
+    elif not config.getoption("-m"):
+        skip_cuda = pytest.mark.skip(reason="cuda: run with `pytest -m cuda` or `make gpu-check`")
+    else:
+        skip_cuda = None
     skip_slow = pytest.mark.skip(reason="slow: run with `pytest -m slow` (benchmarks)")
     for item in items:
-        if "slow" in item.keywords:
+        if "cuda" in item.keywords and skip_cuda is not None:
+            item.add_marker(skip_cuda)
+        elif "slow" in item.keywords and not config.getoption("-m"):
             item.add_marker(skip_slow)
+

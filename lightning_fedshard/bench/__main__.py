@@ -11,6 +11,7 @@ BENCHMARKS = {
     "verify-memory": "lightning_fedshard.bench.verify_memory",
     "costmodel": "lightning_fedshard.bench.costmodel",
     "multitier": "lightning_fedshard.bench.multitier",
+    "gpu-check": "lightning_fedshard.bench.gpu_check",
 }
 
 
@@ -18,7 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in BENCHMARKS:
         sys.exit(f"usage: fedshard bench {{{','.join(BENCHMARKS)}}} [ARGS]")
-    importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+    status = importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+    if isinstance(status, int):  # gpu-check answers with its exit status
+        sys.exit(status)
 
 
 if __name__ == "__main__":

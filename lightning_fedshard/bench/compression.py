@@ -528,7 +528,7 @@ def dar_throughput(sizes: Sequence[int], repeats: int) -> list[dict]:
                     seconds = _median_seconds(fn, repeats)
                     out.append(_rate("cpu torch", label, n, seconds, copy_s, operation=operation))
         if cuda:
-            out += _cuda_dar(x, y, repeats)
+            out += cuda_dar(x, y, repeats)
     return out
 
 
@@ -541,7 +541,10 @@ def _operations(codec: Codec, x: Tensor, y: Tensor) -> dict[str, Callable[[], ob
     return operations
 
 
-def _cuda_dar(x: Tensor, y: Tensor, repeats: int) -> list[dict]:
+def cuda_dar(x: Tensor, y: Tensor, repeats: int) -> list[dict]:
+    """The DAR hop of ``x``'s message with local chunk ``y`` on the GPU: the torch codec's decode + add + encode,
+    and the Triton kernels (with ``bit_exact``: their bytes equal the torch codec's), against ``copy_`` of the
+    same fp32 data in the same run (rows as :func:`dar_throughput`'s)."""
     n = x.numel()
     sync = torch.cuda.synchronize
     xc, yc = x.cuda(), y.cuda()

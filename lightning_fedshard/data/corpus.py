@@ -9,9 +9,11 @@ import codecs
 import glob
 import sysconfig
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import datasets
+if TYPE_CHECKING:
+    # imported where a corpus is loaded: the package (the verifier, the models) imports without `datasets`
+    import datasets
 
 __all__ = [
     "VALIDATION_MODULES",
@@ -48,6 +50,8 @@ def stdlib_corpus(split: Literal["train", "val"]) -> datasets.Dataset:
         raise ValueError(f"stdlib_corpus: `split` must be 'train' or 'val', got {split!r}.")
     files = [f for f in stdlib_sources() if (f.stem in VALIDATION_MODULES) == (split == "val")]
     # Bytes, not read_text(): universal-newline decoding would rewrite any "\r\n" in the sources.
+    import datasets
+
     return datasets.Dataset.from_dict({"text": [f.read_bytes().decode("utf-8") for f in files]})
 
 
@@ -130,6 +134,8 @@ def load_text_corpus(
     check_text_files(files)
     builder = _BUILDERS[files[0].suffix]
     options = {"sample_by": "document"} if builder == "text" else {}
+    import datasets
+
     try:
         corpus = datasets.load_dataset(
             builder,
@@ -168,6 +174,8 @@ def load_hub_corpus(
     name: str, split: str = "train", config: str | None = None, text_field: str = "text"
 ) -> datasets.IterableDataset:
     """Stream a split of a Hugging Face Hub dataset (needs network access), e.g. ``"HuggingFaceFW/fineweb"``."""
+    import datasets
+
     corpus = datasets.load_dataset(name, config, split=split, streaming=True)
     # Streamed datasets may not know their columns before the first row; then a wrong field fails on it.
     if corpus.column_names is not None and text_field not in corpus.column_names:

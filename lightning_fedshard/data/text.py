@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import datasets
 import lightning.pytorch as pl
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_fedshard.data.corpus import (
     check_text_files,
@@ -22,6 +19,11 @@ from lightning_fedshard.data.corpus import (
 from lightning_fedshard.data.packing import PackedStream, pack_documents
 from lightning_fedshard.data.tokenizer import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    # imported where data is loaded: the package (the verifier, the models) imports without `datasets`/`torchdata`
+    import datasets
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
 __all__ = ["TextDataModule"]
 
 _HUB_PREFIX = "hf://"
@@ -30,6 +32,8 @@ _HUB_PREFIX = "hf://"
 def _stateful_loader(dataset: Dataset, **kwargs: Any) -> StatefulDataLoader:
     # torchdata 0.11 calls torch.set_vital, which recent torch deprecates, in every StatefulDataLoader constructor.
     # Filtered here rather than at import: pytest (and any catch_warnings block) would drop an import-time filter.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning, module="torchdata")
         return StatefulDataLoader(dataset, **kwargs)
@@ -206,6 +210,9 @@ class TextDataModule(pl.LightningDataModule):
         rank, world = self._rank_and_world()
         data = self._dataset(split)
         train = split == "train"
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
         if isinstance(data, datasets.IterableDataset):
             limit = None if train or self.max_val_samples is None else -(-self.max_val_samples // world)
             packed = PackedStream(

@@ -262,13 +262,21 @@ class _Ring:
 
     @classmethod
     def over(cls, codec: Codec, group: ProcessGroup | None, topology: str) -> _Ring:
+        # Gloo's point-to-point ops read and write host memory: CUDA messages on a gloo-only group go through the
+        # CPU (a group with a CUDA backend, e.g. "cpu:gloo,cuda:nccl", sends them from the device).
+        gloo_only = dist.get_backend(group) == "gloo"
+
         def p2p(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
+            staged = gloo_only and recv.is_cuda
+            into = torch.empty_like(recv, device="cpu") if staged else recv
             ops = [
-                dist.P2POp(dist.isend, send, group=group, group_peer=dst),
-                dist.P2POp(dist.irecv, recv, group=group, group_peer=src),
+                dist.P2POp(dist.isend, send.cpu() if staged else send, group=group, group_peer=dst),
+                dist.P2POp(dist.irecv, into, group=group, group_peer=src),
             ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+            if staged:
+                recv.copy_(into)
 
         return cls(codec, topology, dist.get_rank(group), dist.get_world_size(group), p2p)
 

@@ -33,11 +33,17 @@ def pgd_attack(
     """
     boxes = box.lower.shape[0]
     shape = box.lower.shape[1:]
-    random = torch.rand(restarts, boxes, *shape, generator=generator, dtype=box.lower.dtype)
+    device = box.lower.device
+    # Drawn on the generator's device (the CPU's) and moved: the same starts, so the same answer, on every device.
+    random = torch.rand(restarts, boxes, *shape, generator=generator, dtype=box.lower.dtype).to(device)
     starts = box.lower.new_zeros(0, *shape) if starts is None else starts.reshape(-1, *shape).to(box.lower.dtype)
     x = torch.cat([box.center, starts, (box.lower + (box.upper - box.lower) * random).reshape(-1, *shape)])
     owner = torch.cat(
-        [torch.arange(boxes), torch.arange(starts.shape[0]) % boxes, torch.arange(boxes).repeat(restarts)]
+        [
+            torch.arange(boxes, device=device),
+            torch.arange(starts.shape[0], device=device) % boxes,
+            torch.arange(boxes, device=device).repeat(restarts),
+        ]
     )
     lower, upper = box.lower[owner], box.upper[owner]
     x = torch.minimum(torch.maximum(x, lower), upper)

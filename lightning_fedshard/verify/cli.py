@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig, check_timeout
+from lightning_fedshard.verify.device import DEVICE_CHOICES, check_device
 from lightning_fedshard.verify.instances import (
     Instance,
     read_expected,
@@ -89,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        help="where model, bounds and domains live: cpu, cuda (each rank its own GPU) or auto (cuda where available); "
+        "default cpu, cuda with --accelerator gpu. LP/MILP refinement solves on the CPU either way",
+    )
+    parser.add_argument(
         "--measure-memory",
         action="store_true",
         help="count live tensor memory (slower on CPU; always on with --report)",
@@ -163,6 +170,17 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--group-size: {error}")
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         parser.error("--accelerator gpu: CUDA is not available")
+    try:
+        check_device(_device(args))
+    except ValueError as error:
+        parser.error(f"--device: {error}")
+
+
+def _device(args: argparse.Namespace) -> str:
+    """``--device``, or where none is given the accelerator's: ``cuda`` for ``--accelerator gpu``, else ``cpu``."""
+    if args.device is not None:
+        return args.device
+    return "cuda" if args.accelerator == "gpu" else "cpu"
 
 
 def _parallel(args: argparse.Namespace) -> bool:
@@ -339,6 +357,7 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
             timeout=timeout,
             batch_size=args.batch_size,
             seed=args.seed,
+            device=_device(args),
             measure_memory=args.report is not None or args.measure_memory,  # the report holds memory peaks
         )
         return _benchmark(args, config) if args.instances is not None else _single(args, config)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from lightning_fedshard.verify.device import check_device
+
 __all__ = ["BabMode", "InputBranching", "Method", "Refine", "Verdict", "VerifyConfig", "check_timeout"]
 
 
@@ -134,6 +136,11 @@ class VerifyConfig:
     #: search), so off unless asked for; on CUDA the allocator's statistics, at no cost.
     measure_memory: bool = False
     seed: int = 0
+    #: Where the model, boxes, bounds, branch-and-bound domains and attacks live: ``cpu``, ``cuda`` (each rank
+    #: of a sharded run on GPU ``LOCAL_RANK % device_count``), ``cuda:N``, or ``auto`` (``cuda`` where available).
+    #: LP/MILP refinement solves on the CPU (HiGHS) whatever the device. Checked at construction: ``cuda``
+    #: without CUDA is a ``ValueError`` before anything runs.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -143,6 +150,7 @@ class VerifyConfig:
         if not self.input_branching:
             raise ValueError("VerifyConfig.input_branching needs at least one rule")
         check_timeout(self.timeout)
+        check_device(self.device)
         for name in (
             "alpha_lr",
             "beta_lr_alpha",

@@ -116,10 +116,11 @@ class BoundGraph:
             self._ibp_exact[name] = linear_chain and mixing <= 1
         return self._ibp_exact[name]
 
-    def to(self, dtype: torch.dtype) -> BoundGraph:
-        """This graph with every op's constants in ``dtype``."""
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> BoundGraph:
+        """This graph with every op's floating-point constants in ``dtype`` and all of them on ``device`` (where
+        every bound, box and domain of a run on it then lives); ``None`` keeps either as it is."""
         for node in self.nodes[1:]:
-            node.op.to(dtype)
+            node.op.to(dtype, device)
         return self
 
     def __repr__(self) -> str:

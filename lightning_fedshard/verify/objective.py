@@ -15,16 +15,23 @@ __all__ = ["OutputSpec", "box_tensor", "round_outwards"]
 def round_outwards(lower: Tensor, upper: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """float64 bounds cast to ``dtype`` so that they still contain the float64 interval."""
     lo, hi = lower.to(dtype), upper.to(dtype)
-    lo = torch.where(lo.double() > lower, torch.nextafter(lo, torch.tensor(-np.inf, dtype=dtype)), lo)
-    hi = torch.where(hi.double() < upper, torch.nextafter(hi, torch.tensor(np.inf, dtype=dtype)), hi)
+    lo = torch.where(lo.double() > lower, torch.nextafter(lo, torch.full_like(lo, -np.inf)), lo)
+    hi = torch.where(hi.double() < upper, torch.nextafter(hi, torch.full_like(hi, np.inf)), hi)
     return lo, hi
 
 
-def box_tensor(lower: np.ndarray, upper: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> Interval:
-    """The input box as ``[1, *shape]`` tensors in ``dtype``, rounded outwards so it contains the float64 box."""
+def box_tensor(
+    lower: np.ndarray,
+    upper: np.ndarray,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> Interval:
+    """The input box as ``[1, *shape]`` tensors in ``dtype`` on ``device``, rounded outwards so it contains the
+    float64 box."""
     lo, hi = round_outwards(
-        torch.from_numpy(np.asarray(lower, dtype=np.float64)),
-        torch.from_numpy(np.asarray(upper, dtype=np.float64)),
+        torch.from_numpy(np.asarray(lower, dtype=np.float64)).to(device),
+        torch.from_numpy(np.asarray(upper, dtype=np.float64)).to(device),
         dtype,
     )
     return Interval(lo.view(1, *shape), hi.view(1, *shape))
@@ -50,17 +57,24 @@ class OutputSpec:
         self.num_disjuncts = int(disjunct.max()) + 1 if disjunct.numel() else 0
 
     @classmethod
-    def from_case(cls, case: Case, output_shape: tuple[int, ...], dtype: torch.dtype) -> OutputSpec:
-        matrix = torch.tensor(np.vstack([d.matrix for d in case.disjuncts]), dtype=dtype)
-        rhs = torch.tensor(np.concatenate([d.rhs for d in case.disjuncts]), dtype=dtype)
-        disjunct = torch.cat([torch.full((len(d.rhs),), i, dtype=torch.long) for i, d in enumerate(case.disjuncts)])
+    def from_case(
+        cls, case: Case, output_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> OutputSpec:
+        matrix = torch.tensor(np.vstack([d.matrix for d in case.disjuncts]), dtype=dtype, device=device)
+        rhs = torch.tensor(np.concatenate([d.rhs for d in case.disjuncts]), dtype=dtype, device=device)
+        disjunct = torch.cat(
+            [torch.full((len(d.rhs),), i, dtype=torch.long, device=device) for i, d in enumerate(case.disjuncts)]
+        )
         return cls(matrix, rhs, disjunct, output_shape)
 
     def only(self, disjunct: int) -> OutputSpec:
         """The spec of one disjunct alone (its rows, renumbered as disjunct 0)."""
         rows = self.rows_of(disjunct)
         return OutputSpec(
-            self.matrix[rows], self.rhs[rows], torch.zeros(len(rows), dtype=torch.long), self.output_shape
+            self.matrix[rows],
+            self.rhs[rows],
+            torch.zeros(len(rows), dtype=torch.long, device=rows.device),
+            self.output_shape,
         )
 
     def rows_of(self, disjunct: int) -> Tensor:

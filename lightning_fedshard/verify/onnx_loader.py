@@ -336,8 +336,11 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
 
 
-def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32) -> BoundGraph:
-    """Read ``path`` (``.onnx`` or gzipped ``.onnx.gz``) into a :class:`BoundGraph` with constants in ``dtype``.
+def load_onnx(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> BoundGraph:
+    """Read ``path`` (``.onnx`` or gzipped ``.onnx.gz``) into a :class:`BoundGraph` with constants in ``dtype``
+    on ``device`` (built and checked on the CPU, then moved once).
 
     Node names are the ONNX tensor names; node shapes drop the leading ONNX dimension (which must be 1 or
     symbolic). Raises :class:`OnnxLoadError` for anything that cannot be represented exactly.
@@ -346,6 +349,7 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32) -> BoundGrap
 
         graph = load_onnx("mnist-net_256x2.onnx", dtype=torch.float64)
         graph.input.name, graph.input.shape   # ('0', (784, 1))
+        graph = load_onnx("mnist-net_256x2.onnx", device="cuda")   # bounds computed on the GPU
     """
     path = Path(path)
     model = _read(path)
@@ -393,7 +397,7 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32) -> BoundGrap
         raise OnnxLoadError(f"the graph output {output!r} is a constant or is never computed")
     nodes = _fuse_biases(ctx.nodes, ctx.variables[output].name)
     _check_finite(nodes, path)
-    return BoundGraph(nodes, output=ctx.variables[output].name)
+    return BoundGraph(nodes, output=ctx.variables[output].name).to(device=device)
 
 
 def _check_finite(nodes: list[Node], path: Path) -> None:

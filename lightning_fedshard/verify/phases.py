@@ -40,8 +40,8 @@ class CasePhases:
 
     def __init__(self, graph: BoundGraph, case: Case, plan: ShardPlan | None = None) -> None:
         self.graph, self.plan = graph, plan or ShardPlan()
-        self.box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
-        self.spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
+        self.box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype, graph.device)
+        self.spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype, graph.device)
 
     def resident_bytes(self) -> int:
         """Bytes of the constants this rank holds (the full weights, or its shards)."""

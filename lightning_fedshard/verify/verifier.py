@@ -9,6 +9,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,8 +20,8 @@ from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower, unstable_count
-from lightning_fedshard.verify.bounds.lp import RefineStats, refine_bounds, supports_programs
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig
+from lightning_fedshard.verify.device import resolve_device
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
@@ -37,6 +38,9 @@ from lightning_fedshard.verify.spec import (
     check_counterexample,
     read_vnnlib,
 )
+
+if TYPE_CHECKING:  # the LP module needs highspy, imported where a run refines its bounds
+    from lightning_fedshard.verify.bounds.lp import RefineStats
 
 __all__ = ["InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
 
@@ -69,7 +73,7 @@ class _Run:
 def _counterexample(graph: BoundGraph, x: torch.Tensor) -> Counterexample:
     with torch.no_grad():
         y = graph(x.unsqueeze(0))[0]
-    return Counterexample(x.double().flatten().numpy(), y.double().flatten().numpy())
+    return Counterexample(x.double().flatten().cpu().numpy(), y.double().flatten().cpu().numpy())
 
 
 def _ibp_margins(graph: BoundGraph, spec: OutputSpec, box: Interval) -> torch.Tensor:
@@ -114,7 +118,11 @@ def _attack_restarts(config: VerifyConfig, box: Interval, spec: OutputSpec) -> i
 def _refinement(config: VerifyConfig, graph: BoundGraph, plan: ShardPlan) -> Refine:
     """``config.refine`` with ``auto`` resolved; ``none`` where programs cannot be written (other operators, or
     weights sharded over ranks)."""
-    if plan.sharded or not supports_programs(graph):
+    if plan.sharded or config.refine is Refine.NONE:
+        return Refine.NONE
+    from lightning_fedshard.verify.bounds.lp import supports_programs
+
+    if not supports_programs(graph):
         return Refine.NONE
     if config.refine is not Refine.AUTO:
         return config.refine
@@ -126,6 +134,8 @@ def _refine(
 ) -> tuple[dict[str, Interval], RefineStats]:
     """LP/MILP-tightened bounds of every pre-activation that interval propagation does not give exactly, the
     neurons with the widest triangles first, within the refinement budget."""
+    from lightning_fedshard.verify.bounds.lp import refine_bounds
+
     layers = [pre for pre in graph.pre_activation.values() if not graph.ibp_is_exact(pre)]
     gap = {}
     for pre in layers:
@@ -157,10 +167,10 @@ def _bab_mode(config: VerifyConfig, box: Interval, unstable: int) -> BabMode:
 def _verify_case(
     graph: BoundGraph, case: Case, config: VerifyConfig, plan: ShardPlan, run: _Run, generator: torch.Generator
 ) -> _CaseAnswer:
-    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
+    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype, graph.device)
     if any(len(d.rhs) == 0 for d in case.disjuncts):  # an unconstrained disjunct: every output is unsafe
         return _CaseAnswer(Verdict.SAT, box.center[0], "pgd")
-    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
+    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype, graph.device)
     with torch.no_grad():
         x = run.timed(
             "attack",
@@ -373,7 +383,9 @@ def verify_files(
     config, plan = config or VerifyConfig(), plan or ShardPlan()
     start = time.monotonic()
     try:
-        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan, start + config.timeout)
+        graph, prop = _load_everywhere(
+            onnx_path, vnnlib_path, plan, start + config.timeout, resolve_device(config.device)
+        )
     except _AnsweredAtLoad as answer:
         return VerificationResult(answer.verdict, times={"load": time.monotonic() - start}, reason=answer.reason)
     sharded = plan.shard(graph)
@@ -408,7 +420,7 @@ class _AnsweredAtLoad(Exception):
 
 
 def _load_everywhere(
-    onnx_path: str | Path, vnnlib_path: str | Path, plan: ShardPlan, deadline: float
+    onnx_path: str | Path, vnnlib_path: str | Path, plan: ShardPlan, deadline: float, device: torch.device
 ) -> tuple[BoundGraph, Property]:
     """The model and the property, or :class:`_AnsweredAtLoad`; sharded, every rank of the group ends the same
     way: :class:`InstanceLoadError` if any rank failed, else the answer of any rank that reached one (a
@@ -416,7 +428,7 @@ def _load_everywhere(
     error: Exception | None = None
     outcome: tuple[str, str] | None = None  # (verdict or "error", reason or "Type: message")
     try:
-        graph = load_onnx(onnx_path)
+        graph = load_onnx(onnx_path, device=device)
         prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size, deadline)
     except (UnsupportedModelError, UnsupportedPropertyError) as exc:
         outcome = (Verdict.UNKNOWN.value, str(exc))
@@ -454,7 +466,8 @@ def model_forward(onnx_path: str | Path, graph: BoundGraph | None = None) -> Cal
 
         def run_graph(x: np.ndarray) -> np.ndarray:
             with torch.no_grad():
-                return graph(torch.as_tensor(x, dtype=graph.dtype).view(1, -1)).double().numpy().ravel()
+                x = torch.as_tensor(x, dtype=graph.dtype, device=graph.device).view(1, -1)
+                return graph(x).double().cpu().numpy().ravel()
 
         return run_graph
     session = onnxruntime.InferenceSession(onnx_source(onnx_path), providers=["CPUExecutionProvider"])

@@ -1,6 +1,8 @@
 """Every codec through the real compressed collectives on gloo; launched by the tests under torchrun.
 
-Usage: torchrun --nproc-per-node=4 collective_worker.py OUT_DIR — each rank writes ``OUT_DIR/rank<r>.pt``.
+Usage: torchrun --nproc-per-node=4 collective_worker.py OUT_DIR [DEVICE [CODEC ...]] — each rank writes
+``OUT_DIR/rank<r>.pt`` (tensors on the CPU). DEVICE ``cuda``: the inputs are CUDA tensors (every rank on GPU
+``rank % device_count``), still over gloo; CODECs: only these (default all).
 """
 
 from __future__ import annotations
@@ -30,28 +32,31 @@ def _student_t(gen: torch.Generator, numel: int) -> torch.Tensor:
     return normal / (chi2 / 3).sqrt()
 
 
-def main(out: Path) -> None:
+def main(out: Path, device: str = "cpu", codecs: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    x = rank_input(rank)
-    record: dict = {"all_reduce": {}, "reduce_scatter": {}}
-    for codec in sorted(CODECS):
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    x = rank_input(rank).to(device)
+    record: dict = {"all_reduce": {}, "reduce_scatter": {}, "device": str(x.device)}
+    for codec in sorted(codecs or CODECS):
         for topology in TOPOLOGIES:
             stats = CompressionStats()
             summed = all_reduce(x.clone(), codec=codec, bits=5.0, topology=topology, stats=stats, debug=True)
             gathered = [torch.empty_like(summed) for _ in range(world)]
             dist.all_gather(gathered, summed)
             record["all_reduce"][codec, topology] = {
-                "result": summed,
+                "result": summed.cpu(),
+                "device": str(summed.device),
                 "identical": all(torch.equal(gathered[0], g) for g in gathered),
                 "bits": stats.bits_per_coord,
                 "vnmse": stats.vnmse,
             }
-        shard = torch.empty(NUMEL // world + 1)
+        shard = torch.empty(NUMEL // world + 1, device=device)
         stats = CompressionStats()
         padded = torch.cat([x, x.new_zeros(world * shard.numel() - NUMEL)])
         reduce_scatter(shard, padded, codec=codec, bits=5.0, stats=stats)
-        record["reduce_scatter"][codec] = {"result": shard, "bits": stats.bits_per_coord}
+        record["reduce_scatter"][codec] = {"result": shard.cpu(), "bits": stats.bits_per_coord}
     small = x[:1000].clone()
     all_reduce(small, codec="dynamiq")
     exact = x[:1000].clone()
@@ -63,4 +68,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cpu", sys.argv[3:] or None)

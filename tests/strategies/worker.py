@@ -177,7 +177,7 @@ def main(config_path: str) -> None:
     recorder = StepRecorder(cfg)
     module = Regression(cfg)
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.get("accelerator", "cpu"),
         devices=cfg["devices"],
         strategy=strategy,
         max_steps=cfg["max_steps"],

@@ -20,7 +20,7 @@ def _pre_activation_bias(graph: BoundGraph, pre: str) -> Tensor:
     bias = getattr(node.op, "bias", None) if isinstance(node.op, Linear | Conv2d) else None
     shape = node.shape
     if bias is None:
-        return torch.zeros(shape, dtype=graph.dtype)
+        return torch.zeros(shape, dtype=graph.dtype, device=graph.device)
     return bias.view(-1, *([1] * (len(shape) - 1))).expand(shape) if isinstance(node.op, Conv2d) else bias
 
 
@@ -40,7 +40,7 @@ def babsr_scores(graph: BoundGraph, domains: DomainBatch, relu_A: dict[str, Tens
         slope, intercept = ReLU.upper_line(bounds)
         A = relu_A.get(relu.name)
         if A is None:
-            A = torch.zeros(open_rows.shape[1], len(domains), *relu.shape, dtype=graph.dtype)
+            A = torch.zeros(open_rows.shape[1], len(domains), *relu.shape, dtype=graph.dtype, device=open_rows.device)
         bias = _pre_activation_bias(graph, pre)
         through_bias = torch.maximum(A * bias * (slope - 1), A * bias * slope)
         score = (through_bias + A.clamp(max=0) * intercept).flatten(2)  # [S, N, size]
@@ -52,7 +52,7 @@ def babsr_scores(graph: BoundGraph, domains: DomainBatch, relu_A: dict[str, Tens
 
 def _locate(graph: BoundGraph, flat: Tensor) -> tuple[Tensor, Tensor]:
     """Concatenated neuron index → (layer index into ``graph.relus``, neuron index within the layer)."""
-    sizes = torch.tensor([relu.size for relu in graph.relus])
+    sizes = torch.tensor([relu.size for relu in graph.relus], device=flat.device)
     ends = sizes.cumsum(0)
     layer = torch.searchsorted(ends, flat, right=True)
     return layer, flat - (ends - sizes)[layer]
@@ -88,6 +88,6 @@ def choose_branches(
     value = spec.value(torch.maximum(margins, trials.margins)).view(2, k, n).min(0).values  # [k, N]
     value = torch.where(top_scores.T.isfinite(), value, -torch.inf)
     best = value.argmax(0)
-    chosen = top[torch.arange(n), best]
+    chosen = top[torch.arange(n, device=top.device), best]
     domains.branch_layer, domains.branch_neuron = _locate(graph, chosen)
     return top_scores[:, 0].isfinite()

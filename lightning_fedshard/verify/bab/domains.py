@@ -61,17 +61,17 @@ class DomainBatch:
         ``alphas [S, N, *shape]`` and the spec rows' lower bounds ``lower [S, N]``; β zero."""
         pres = list(graph.pre_activation.values())
         low = {pre: bounds[pre].lower for pre in pres}
-        n = lower.shape[1]
+        n, device = lower.shape[1], lower.device
         return cls(
             lower=low,
             upper={pre: bounds[pre].upper for pre in pres},
             splits={pre: torch.zeros_like(low[pre], dtype=torch.int8) for pre in pres},
-            betas={pre: torch.zeros(spec.num_rows, *low[pre].shape, dtype=low[pre].dtype) for pre in pres},
+            betas={pre: low[pre].new_zeros(spec.num_rows, *low[pre].shape) for pre in pres},
             alphas={name: alpha.clone() for name, alpha in alphas.items()},
             margins=lower.T - spec.rhs,
-            depth=torch.zeros(n, dtype=torch.long),
-            branch_layer=torch.zeros(n, dtype=torch.long),
-            branch_neuron=torch.zeros(n, dtype=torch.long),
+            depth=torch.zeros(n, dtype=torch.long, device=device),
+            branch_layer=torch.zeros(n, dtype=torch.long, device=device),
+            branch_neuron=torch.zeros(n, dtype=torch.long, device=device),
         )
 
     @classmethod
@@ -87,6 +87,11 @@ class DomainBatch:
 
     def __len__(self) -> int:
         return self.margins.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor of the batch lives (the graph's device)."""
+        return self.margins.device
 
     def bounds(self) -> dict[str, Interval]:
         return {name: Interval(self.lower[name], self.upper[name]) for name in self.lower}
@@ -130,7 +135,7 @@ class DomainBatch:
         neuron active (``z ≥ 0``), rows ``N..2N-1`` inactive (``z ≤ 0``)."""
         children = self.repeat(2)
         n = len(self)
-        rows = torch.arange(n)
+        rows = torch.arange(n, device=self.device)
         for index, name in enumerate(pre_activations):
             chosen = (layer == index).nonzero().flatten()
             if not chosen.numel():
@@ -177,7 +182,7 @@ class DomainPool:
                     for t, dim in self._storage._leaves()
                 ]
             )
-        self._storage.assign(torch.arange(self._size, self._size + count), domains)
+        self._storage.assign(torch.arange(self._size, self._size + count, device=domains.device), domains)
         self._size += count
 
     def pop_worst(self, count: int, value: Callable[[Tensor], Tensor]) -> DomainBatch:
@@ -186,7 +191,7 @@ class DomainPool:
         n = self._size
         picked = value(self.view().margins).argsort()[:count]
         taken, count = self._storage.take(picked), picked.numel()
-        is_picked = torch.zeros(n, dtype=torch.bool)
+        is_picked = torch.zeros(n, dtype=torch.bool, device=picked.device)
         is_picked[picked] = True
         holes = picked[picked < n - count]
         tail = (n - count) + (~is_picked[n - count :]).nonzero().flatten()

@@ -143,12 +143,13 @@ def _trial_scores(graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable
     """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better)."""
     n, d = boxes.lower.shape
     dims = splittable.any(0).nonzero().flatten()
-    halves = _split(boxes.take(torch.arange(n).repeat(len(dims))), dims.repeat_interleave(n).unsqueeze(1))
+    every = torch.arange(n, device=dims.device).repeat(len(dims))
+    halves = _split(boxes.take(every), dims.repeat_interleave(n).unsqueeze(1))
     interval = halves.interval(graph.input.shape)
     bounds = forward_bounds(graph, interval)
     lower = backward_bound(graph, graph.output.name, spec.rows(len(halves)), interval, bounds).lower
     value = spec.value(lower.T - spec.rhs).clamp(max=0).double().view(2, len(dims), n).sum(0)
-    scores = torch.full((n, d), -torch.inf, dtype=torch.float64)
+    scores = torch.full((n, d), -torch.inf, dtype=torch.float64, device=value.device)
     scores[:, dims] = value.T
     return scores
 
@@ -159,7 +160,7 @@ def _split(boxes: _Boxes, dims: Tensor) -> _Boxes:
     n, k = dims.shape
     children = 1 << k
     lower, upper = boxes.lower.repeat(children, 1), boxes.upper.repeat(children, 1)
-    rows = torch.arange(n * children)
+    rows = torch.arange(n * children, device=dims.device)
     combo = rows // n
     dims = dims.repeat(children, 1)
     for j in range(k):
@@ -178,7 +179,7 @@ class _Search:
     for one box as for hundreds)."""
 
     def __init__(self, root: _Boxes, branching: InputBranching) -> None:
-        self.stack, self.phases, self.branching = _BoxStack(root), _BoxStack(root.take(torch.arange(0))), branching
+        self.stack, self.phases, self.branching = _BoxStack(root), _BoxStack(root.take(root.depth[:0])), branching
         self.rounds, self.stuck = 0, False
 
     def __len__(self) -> int:
@@ -196,7 +197,7 @@ def input_split(
     """Decide ``spec`` (one disjunct: all its rows must be ``≤ 0`` for a counterexample) over ``box [1, *input]``
     by splitting the box (see the module docs)."""
     shape = graph.input.shape
-    root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long))
+    root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
     searches = [_Search(root, branching) for branching in config.input_branching]
     batch = config.input_batch_size

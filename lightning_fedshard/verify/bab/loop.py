@@ -117,7 +117,7 @@ class _DomainParallel:
         """This rank's share of rank 0's domains, worst first round-robin (``None`` if it gets none)."""
         held = [pool.pop_worst(len(pool), value) if self.rank == 0 else None]
         dist.broadcast_object_list(held, src=dist.get_global_rank(self.group, 0), group=self.group)
-        mine = torch.arange(self.rank, len(held[0]), self.world)
+        mine = torch.arange(self.rank, len(held[0]), self.world, device=held[0].device)
         self.dealt = True
         return DomainPool(held[0].take(mine)) if mine.numel() else None
 

@@ -41,8 +41,8 @@ def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -
     pres = list(graph.pre_activation.values())
     finished, owners = [], []
     while len(domains):
-        layer = torch.full((len(domains),), -1, dtype=torch.long)
-        neuron = torch.zeros(len(domains), dtype=torch.long)
+        layer = torch.full((len(domains),), -1, dtype=torch.long, device=domains.device)
+        neuron = torch.zeros(len(domains), dtype=torch.long, device=domains.device)
         for index, pre in enumerate(pres):
             bounds = Interval(domains.lower[pre], domains.upper[pre])
             free = ReLU.unstable(bounds).flatten(1) & (domains.splits[pre].flatten(1) == 0)
@@ -71,7 +71,7 @@ def prove_by_pieces(
     n = boxes.lower.shape[0]
     alphas = initial_alphas(graph, graph.output.name, spec.num_rows, bounds)
     domains = DomainBatch.unsplit(graph, spec, bounds, alphas, lower)
-    domains, owner = _split_every_phase(graph, domains, torch.arange(n))
+    domains, owner = _split_every_phase(graph, domains, torch.arange(n, device=lower.device))
     cex = None
     for _ in range(_ROUNDS):
         pieces = Interval(boxes.lower[owner], boxes.upper[owner])
@@ -84,6 +84,6 @@ def prove_by_pieces(
         domains, owner = domains.take(open_), owner[open_]
         if not len(domains) or cex is not None:
             break
-    proven = torch.ones(n, dtype=torch.bool)
+    proven = torch.ones(n, dtype=torch.bool, device=owner.device)
     proven[owner] = False
     return proven, cex

@@ -151,8 +151,8 @@ def selection_rows(index: Tensor, batch: int, shape: tuple[int, ...], dtype: tor
     """Spec rows ``[2U, B, *shape]`` picking ``+v_i`` then ``-v_i`` for each flat index ``i``: one pass then
     gives lower bounds (first U rows) and negated upper bounds (last U rows)."""
     U, size = index.numel(), int(torch.Size(shape).numel())
-    rows = torch.zeros(2 * U, size, dtype=dtype)
-    positions = torch.arange(U)
+    rows = torch.zeros(2 * U, size, dtype=dtype, device=index.device)
+    positions = torch.arange(U, device=index.device)
     rows[positions, index] = 1
     rows[positions + U, index] = -1
     return rows.unsqueeze(1).expand(2 * U, batch, size).reshape(2 * U, batch, *shape)

@@ -89,7 +89,7 @@ class _Affine:
 
     def through(self, op: LinearOp, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> _Affine:
         """This expression mapped by ``op``, composed in float64 (the weights are exact in it)."""
-        op = copy.copy(op).to(torch.float64)
+        op = copy.copy(op).to(torch.float64, "cpu")  # the programs are written on the CPU, for HiGHS
 
         def apply(matrix: np.ndarray) -> np.ndarray:  # [in, width] -> [out, width]: op.linear on each column
             columns = torch.from_numpy(np.ascontiguousarray(matrix.T)).reshape(-1, *in_shape)
@@ -334,11 +334,17 @@ def refine_bounds(
     ranks that layer's neurons (higher first): with a deadline the best-ranked ones are refined first. The side of
     a neuron nearer to zero is solved first, and the other skipped once the neuron is found stable (α,β-CROWN does
     the same).
+
+    The programs are written and solved on the CPU (HiGHS); bounds on another device are copied there once and the
+    refined ones returned on it.
     """
+    device = box.lower.device
+    box = box.to("cpu")
+    bounds = {name: interval.to("cpu") for name, interval in bounds.items()}
+    order = None if order is None else {name: rank.cpu() for name, rank in order.items()}
     start = time.monotonic()
     deadline = float("inf") if deadline is None else deadline
     stats = RefineStats()
-    bounds = dict(bounds)
     for layer in layers:
         if time.monotonic() >= deadline:
             break
@@ -373,7 +379,7 @@ def refine_bounds(
         bounds[layer] = Interval(low.view(current.lower.shape), high.view(current.lower.shape))
         stats.layers.append(layer)
     stats.seconds = time.monotonic() - start
-    return bounds, stats
+    return {name: interval.to(device) for name, interval in bounds.items()}, stats
 
 
 def _tighten(low: Tensor, high: Tensor, j: int, sense: int, value: float, stats: RefineStats) -> None:

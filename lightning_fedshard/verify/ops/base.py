@@ -43,6 +43,10 @@ class Interval:
     def radius(self) -> Tensor:
         return (self.upper - self.lower) / 2
 
+    def to(self, device: torch.device | str) -> Interval:
+        """These bounds on ``device`` (tensors already there are not copied)."""
+        return Interval(self.lower.to(device), self.upper.to(device))
+
 
 def contract(A: Tensor | Patches, value: Tensor) -> Tensor:
     """``Σ A·value`` over the node dimensions: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
@@ -89,11 +93,13 @@ class BoundOp(ABC):
         input nodes where the op needs them (ReLU), ``alpha`` the optimisable lower slopes (ReLU only).
         """
 
-    def to(self, dtype: torch.dtype) -> BoundOp:
-        """This op with its floating-point constants in ``dtype`` (the graph computes in one dtype)."""
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> BoundOp:
+        """This op with its floating-point constants in ``dtype`` (the graph computes in one dtype) and all its
+        constants (integer indices too) on ``device``; ``None`` keeps either as it is."""
         for name, value in vars(self).items():
-            if isinstance(value, Tensor) and value.is_floating_point():
-                setattr(self, name, value.to(dtype))
+            if isinstance(value, Tensor) and value.device.type != "meta":  # a sharded-away placeholder stays
+                cast = dtype if dtype is not None and value.is_floating_point() else None
+                setattr(self, name, value.to(device=device, dtype=cast))
         return self
 
     def __repr__(self) -> str:

@@ -1,0 +1,110 @@
+"""The GPU check's CPU-testable parts: ``make gpu-check`` without CUDA (runs nothing, says so, exit 0, a summary that
+says skipped), the runner (a check that passes, fails, crashes or hangs is recorded and the next one still runs; the
+budget cuts the last ones; a hung check's processes are killed), the summaries, and ``pytest -m cuda`` collecting the
+GPU tests and skipping them here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_fedshard.bench.gpu_check import (
+    CHECKS,
+    Check,
+    check_timeout_s,
+    cuda_test_files,
+    main,
+    run_checks,
+    write_summary,
+)
+from tests.launching import REPO, run_isolated
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path is for machines without CUDA")
+CASES = "tests.bench.gpu_check_cases"
+
+
+@no_cuda
+def test_make_gpu_check_without_cuda_runs_nothing_and_exits_0(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
+    result = subprocess.run(
+        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}"], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "skipped, CUDA is not available" in result.stdout
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["skipped"] and summary["ok"] and summary["checks"] == []
+    assert "**Skipped**: nothing was run." in (tmp_path / "gpu_check.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.md"]  # no log: nothing ran
+
+
+def test_the_runner_survives_every_way_a_check_can_end(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    checks = [
+        Check("ok", f"{CASES}:passes", 60, "passes"),
+        Check("raises", f"{CASES}:raises", 60, "raises"),
+        Check("crashes", f"{CASES}:crashes", 60, "crashes"),
+        Check("hangs", f"{CASES}:hangs", 3, "hangs", {"pid_file": str(pid_file)}),
+        Check("after", f"{CASES}:passes", 60, "runs after the hang", {"figure": "still here"}),
+    ]
+    results = run_checks(checks, budget_s=120, log=tmp_path / "log", reserve_s=1, min_check_s=1)
+    assert [r.status for r in results] == ["pass", "fail", "error", "timeout", "pass"]
+    assert results[0].figure == "42 GB/s" and results[0].details == [{"n": 1, "GB/s": 42.0}]
+    assert "illegal memory access" in results[1].reason and "exit status 3" in results[2].reason
+    assert results[3].seconds < 10 and results[4].figure == "still here"
+    assert not _running(int(pid_file.read_text()))  # the hung check's own child was killed with it
+    assert "RuntimeError: CUDA error" in (tmp_path / "log").read_text()  # the traceback is kept
+
+    status = write_summary(tmp_path, results, {"date": "today", "machine": "1 × test GPU"})
+    assert status == 1
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [c["status"] for c in summary["checks"]] == ["pass", "fail", "error", "timeout", "pass"]
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "**FAILED**" in markdown and "| ok | pass | 42 GB/s |" in markdown and "| n | GB/s |" in markdown
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a killed one may linger as a zombie until its new parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_checks_the_budget_leaves_no_time_for_are_not_started(tmp_path):
+    checks = [Check("late", f"{CASES}:passes", 60, "never started")]
+    (result,) = run_checks(checks, budget_s=1.5, log=tmp_path / "log", reserve_s=1, min_check_s=1)
+    assert result.status == "skipped" and "budget" in result.reason
+
+
+def test_check_timeouts_shrink_to_the_budget():
+    check = Check("x", "m:f", 90.0, "")
+    assert check_timeout_s(check, remaining_s=400.0) == 90.0
+    assert check_timeout_s(check, remaining_s=50.0) == 45.0
+    assert check_timeout_s(check, remaining_s=24.0) is None  # under 20 s after the reserve: not started
+    assert sum(c.timeout_s for c in CHECKS) < 8 * 60
+
+
+@no_cuda
+def test_main_without_cuda_writes_the_skipped_summary(tmp_path):
+    assert main(["--out", str(tmp_path)], cuda_available=lambda: False) == 0
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"]
+
+
+@no_cuda
+def test_pytest_m_cuda_collects_the_gpu_tests_and_skips_them_here():
+    files = cuda_test_files()
+    assert {f.parent.name for f in files} >= {"dynamiq", "models", "strategies", "verify"}
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", *map(str, files)]
+    result = run_isolated(command, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " skipped" in summary and "passed" not in summary and "error" not in summary, summary
+    assert int(summary.split()[0]) >= 10
+    assert "cuda: CUDA is not available on this machine" in result.stdout
