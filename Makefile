@@ -23,5 +23,6 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# the project's venv where there is one (here), else the machine's own python3 (the GPU machine's torch build)
 gpu-check:
-	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bash scripts/gpu_check.sh

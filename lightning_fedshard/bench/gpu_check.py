@@ -240,9 +240,12 @@ def _markdown_table(rows: list[dict]) -> list[str]:
 
 
 def _meta() -> dict:
-    import torch
-
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": sys.executable}
+    try:
+        import torch
+    except ImportError:
+        return {**meta, "torch": "not installed", "cuda": "none"}
+    meta["torch"] = torch.__version__
     meta["cuda"] = torch.version.cuda or "none"
     try:
         import triton
@@ -516,8 +519,11 @@ def main(argv: list[str] | None = None, cuda_available: Callable[[], bool] | Non
     if args.child:
         return _child(args.child, args.result, json.loads(args.kwargs or "{}"))
     out = args.out or Path(os.environ.get("OUT") or "gpu-check")
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # an interpreter without torch has no CUDA to check either
+        print(f"gpu-check: skipped, torch is not installed for {sys.executable} (nothing was run)")
+        return skipped_summary(out, f"torch is not installed for {sys.executable}: nothing was run")
     if not (cuda_available or torch.cuda.is_available)():
         print("gpu-check: skipped, CUDA is not available on this machine (nothing was run)")
         return skipped_summary(out, "CUDA is not available on this machine: nothing was run")

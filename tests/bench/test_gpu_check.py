@@ -43,6 +43,17 @@ def test_make_gpu_check_without_cuda_runs_nothing_and_exits_0(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.md"]  # no log: nothing ran
 
 
+
+def test_an_interpreter_without_torch_skips_and_exits_0(tmp_path):
+    # the machine's own python3 may have no torch at all (this CPU machine's has none): that is no CUDA either
+    result = run_isolated(  # -S: no site-packages, so no torch
+        [sys.executable, "-S", "lightning_fedshard/bench/gpu_check.py", "--out", str(tmp_path)], timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "skipped, torch is not installed" in result.stdout
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["skipped"] and summary["ok"] and summary["checks"] == []
+
 def test_the_runner_survives_every_way_a_check_can_end(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     checks = [
