@@ -18,15 +18,11 @@ from lightning_fedshard.optim.block_quant import (
     quantize_signed,
     quantize_sqrt,
 )
-from lightning_fedshard.optim.owner_exchange import ShardLayout
+from lightning_fedshard.optim.owner_exchange import ShardLayout, local_shard
 
 __all__ = ["AdamW8bit"]
 
 BLOCK_SIZES = (32, 64, 128, 256)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class AdamW8bit(Optimizer):
@@ -34,7 +30,7 @@ class AdamW8bit(Optimizer):
 
     Each parameter's moments are coded per block of ``block_size`` consecutive coordinates of the rank's local shard
     (:mod:`~lightning_fedshard.optim.block_quant`: signed linear for ``m``, the square root for ``v``), so a block
-    never crosses a shard boundary; with block-aligned shards (:class:`~lightning_fedshard.optim.ShardPlan`) the
+    never crosses a shard boundary; with block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`) the
     blocks are the whole tensor's, and a sharded run is bit for bit the single-process one. A step decodes both
     moments to fp32, updates them with the gradient, steps the parameter with the fp32 values and codes them again.
     The denominator is ``max(√v̂, |m̂|) + eps``: coding may round a small ``√v`` to zero while ``m`` survives, and the
@@ -115,11 +111,11 @@ class AdamW8bit(Optimizer):
                 state = self.state[p] if self.state[p] else self._init_state(p)
                 state["step"] += 1
                 t = float(state["step"])
-                param, grad = _local(p), _local(p.grad).float()
-                m_store, v_store = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                param, grad = local_shard(p), local_shard(p.grad).float()
+                m_store, v_store = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                 quantized = "exp_avg_scale" in state
                 if quantized:
-                    m_scales, v_scales = _local(state["exp_avg_scale"]), _local(state["exp_avg_sq_scale"])
+                    m_scales, v_scales = local_shard(state["exp_avg_scale"]), local_shard(state["exp_avg_sq_scale"])
                     m = dequantize_signed(m_store, m_scales, block)
                     v = dequantize_sqrt(v_store, v_scales, block)
                 else:

@@ -8,21 +8,16 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from lightning_fedshard.optim.newton_schulz import newton_schulz
-from lightning_fedshard.optim.owner_exchange import ShardLayout, transform_on_owners
+from lightning_fedshard.optim.owner_exchange import ShardLayout, local_shard, transform_on_owners
 from lightning_fedshard.optim.owners import assign_owners, ns_cost
 
 __all__ = ["Muon", "muon_param_groups"]
 
 ADJUST_LR = ("match_rms_adamw", "original")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def muon_param_groups(module: nn.Module, head_names: Sequence[str] = ("output", "lm_head")) -> list[dict[str, Any]]:
@@ -154,7 +149,7 @@ class Muon(Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                grad, buf = local_shard(p.grad), local_shard(state["momentum_buffer"])
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf.clone()
                 entries.append((p, group, update, ShardLayout.of(p)))
@@ -174,7 +169,7 @@ class Muon(Optimizer):
             self.orthogonalised += [members[j] for j in done]
         self.orthogonalised.sort()
         for p, group, update, layout in entries:
-            local = _local(p)
+            local = local_shard(p)
             local.mul_(1 - group["lr"] * group["weight_decay"])
             local.add_(update, alpha=-group["lr"] * _shape_scale(layout.shape, group["adjust_lr"]))
 
@@ -188,10 +183,10 @@ class Muon(Optimizer):
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            params.append(_local(p))
-            grads.append(_local(p.grad))
-            exp_avgs.append(_local(state["exp_avg"]))
-            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            params.append(local_shard(p))
+            grads.append(local_shard(p.grad))
+            exp_avgs.append(local_shard(state["exp_avg"]))
+            exp_avg_sqs.append(local_shard(state["exp_avg_sq"]))
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
         adamw(

@@ -19,7 +19,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fedshard.optim.shard_plan import chunk_sizes
 
-__all__ = ["ShardLayout", "transform_on_owners"]
+__all__ = ["ShardLayout", "local_shard", "transform_on_owners"]
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (a view: in-place changes reach the DTensor); a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass(frozen=True)

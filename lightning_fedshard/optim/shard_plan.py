@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import Shard
 
-__all__ = ["ParamShardPlan", "ShardPlan", "chunk_sizes", "plan_param", "plan_shards"]
+__all__ = ["ParamBlockPlan", "BlockShardPlan", "chunk_sizes", "plan_param", "plan_shards"]
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:
@@ -35,7 +35,7 @@ def chunk_sizes(n: int, world: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class ParamShardPlan:
+class ParamBlockPlan:
     """One parameter's plan over ``world`` ranks with blocks of ``block`` coordinates."""
 
     name: str
@@ -76,7 +76,7 @@ def _is_aligned(slices: int, row: int, n: int, block: int) -> bool:
     return slices >= n or (slices * row) % block == 0
 
 
-def plan_param(name: str, shape: Sequence[int], world: int, block: int) -> ParamShardPlan:
+def plan_param(name: str, shape: Sequence[int], world: int, block: int) -> ParamBlockPlan:
     """The shard dimension and aligned slices per rank for one parameter (see the module's docstring).
 
     Candidates are dim 0 and every dim ``d > 0`` that ``world`` divides (FSDP2 refuses uneven ``d > 0``); an
@@ -102,35 +102,35 @@ def plan_param(name: str, shape: Sequence[int], world: int, block: int) -> Param
                 best = (padding, d, slices)
     if best is not None:
         padding, dim, slices = best
-        return ParamShardPlan(name, shape, dim, slices, True, fsdp_padding, padding, world, block)
+        return ParamBlockPlan(name, shape, dim, slices, True, fsdp_padding, padding, world, block)
     n, row = shape[0], numel // shape[0]
     step = block // math.gcd(row, block)  # slices · row is a multiple of the block iff slices is one of `step`
     slices = math.ceil(math.ceil(n / world) / step) * step
-    return ParamShardPlan(name, shape, 0, slices, False, fsdp_padding, (slices * world - n) * row, world, block)
+    return ParamBlockPlan(name, shape, 0, slices, False, fsdp_padding, (slices * world - n) * row, world, block)
 
 
 @dataclass(frozen=True)
-class ShardPlan:
+class BlockShardPlan:
     """Plans for every parameter of a model; :meth:`placement_fn` is FSDP2's ``shard_placement_fn``.
 
     Example::
 
-        plan = ShardPlan.for_module(model, world=4, block=256)
+        plan = BlockShardPlan.for_module(model, world=4, block=256)
         fully_shard(block, mesh=mesh, shard_placement_fn=plan.placement_fn)
         print(plan.report())
     """
 
-    params: tuple[ParamShardPlan, ...]
+    params: tuple[ParamBlockPlan, ...]
     world: int
     block: int
 
     @classmethod
-    def for_module(cls, module: nn.Module, world: int, block: int) -> ShardPlan:
+    def for_module(cls, module: nn.Module, world: int, block: int) -> BlockShardPlan:
         """Plans every parameter of ``module`` (meta tensors are fine: only shapes are read)."""
         return cls.for_shapes(((n, tuple(p.shape)) for n, p in module.named_parameters()), world, block)
 
     @classmethod
-    def for_shapes(cls, shapes: Iterable[tuple[str, Sequence[int]]], world: int, block: int) -> ShardPlan:
+    def for_shapes(cls, shapes: Iterable[tuple[str, Sequence[int]]], world: int, block: int) -> BlockShardPlan:
         return cls(tuple(plan_param(name, shape, world, block) for name, shape in shapes), world, block)
 
     def placement_fn(self, param: nn.Parameter) -> Shard:
@@ -140,7 +140,7 @@ class ShardPlan:
         return Shard(dims[0] if dims else 0)
 
     @property
-    def unaligned(self) -> list[ParamShardPlan]:
+    def unaligned(self) -> list[ParamBlockPlan]:
         """Parameters FSDP2 2.13 cannot shard block-aligned (their shapes would need padding it cannot add)."""
         return [p for p in self.params if not p.fsdp_aligned]
 
@@ -155,7 +155,7 @@ class ShardPlan:
 
     def report(self) -> str:
         """A table per distinct (shape, plan): count, dim, FSDP2's padding, the aligned layout's padding."""
-        rows: dict[tuple, list[ParamShardPlan]] = {}
+        rows: dict[tuple, list[ParamBlockPlan]] = {}
         for p in self.params:
             rows.setdefault((p.shape, p.dim, p.fsdp_aligned, p.slices_per_rank), []).append(p)
         lines = [

@@ -38,7 +38,7 @@ from lightning_fedshard.distributed import JobEnd, check_timeout, destroy_proces
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
 from lightning_fedshard.dynamiq.plugin import DynamiQ
 from lightning_fedshard.dynamiq.settings import Compression
-from lightning_fedshard.optim.shard_plan import ShardPlan
+from lightning_fedshard.optim.shard_plan import BlockShardPlan
 from lightning_fedshard.strategies.apply import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -94,7 +94,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
             backward pass instead of stored (applied before ``auto_wrap`` sharding).
         process_group_backend: ``"gloo"``, ``"nccl"``, ... (``None``: the device's default).
-        shard_block: Block-aligned shards (:class:`~lightning_fedshard.optim.ShardPlan`): each parameter is sharded on
+        shard_block: Block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`): each parameter is sharded on
             the dimension whose shards start on multiples of ``shard_block`` coordinates (256 for DynamiQ, 32 or 128
             for :class:`~lightning_fedshard.optim.AdamW8bit`'s blocks), the plan and its padding logged, and the
             parameters FSDP2 cannot align named. ``None``: FSDP2's dim 0 for every parameter.
@@ -346,7 +346,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
     def _shard_placement_fn(self) -> Callable[[nn.Parameter], Shard] | None:
         if self.shard_block is None:
             return None
-        plan = ShardPlan.for_module(self.model, self.dims.shard_size, self.shard_block)
+        plan = BlockShardPlan.for_module(self.model, self.dims.shard_size, self.shard_block)
         rank_zero_info(f"{type(self).__name__}: {plan.report()}")
         if plan.unaligned:
             rank_zero_warn(

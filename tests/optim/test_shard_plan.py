@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from lightning_fedshard.models import Llama, LlamaConfig
-from lightning_fedshard.optim import ShardPlan, chunk_sizes, plan_param
+from lightning_fedshard.optim import BlockShardPlan, chunk_sizes, plan_param
 
 
 def chunk_starts(tensor: torch.Tensor, world: int) -> list[int]:
@@ -55,7 +55,7 @@ def test_every_shard_starts_on_a_block_boundary_and_padding_stays_below_the_boun
 
 def test_the_plan_shards_on_dim_1_where_only_dim_1_aligns():
     # 4 × 6 on 3 ranks, blocks of 8: dim 0 gives shards of 2 rows × 6 = 12 (not aligned); dim 1 gives 4 × 2 = 8
-    plan = ShardPlan.for_module(nn.Linear(6, 4, bias=False), world=3, block=8)
+    plan = BlockShardPlan.for_module(nn.Linear(6, 4, bias=False), world=3, block=8)
     assert (plan.params[0].dim, plan.params[0].fsdp_aligned) == (1, True)
     assert plan.placement_fn(nn.Parameter(torch.empty(4, 6))) == Shard(1)
 
@@ -63,7 +63,7 @@ def test_the_plan_shards_on_dim_1_where_only_dim_1_aligns():
 def test_llama_8b_at_512_shards_only_its_norms_need_more_padding():
     with torch.device("meta"):
         model = Llama(LlamaConfig.from_name("llama3.1-8b"))
-    plan = ShardPlan.for_module(model, world=512, block=256)
+    plan = BlockShardPlan.for_module(model, world=512, block=256)
     assert {p.name.rsplit(".", 2)[-2] for p in plan.unaligned} <= {"attention_norm", "ffn_norm", "norm"}
     assert len(plan.unaligned) == 2 * 32 + 1
     # each 4096-element norm needs 512 ranks × 256 = 131,072 elements
