@@ -69,3 +69,12 @@ def test_llama_8b_at_512_shards_only_its_norms_need_more_padding():
     # each 4096-element norm needs 512 ranks × 256 = 131,072 elements
     assert {p.aligned_padding for p in plan.unaligned} == {512 * 256 - 4096}
     assert "total: 291 parameters" in plan.report()
+
+
+@pytest.mark.parametrize("bad", [0, -256, True, 2.5, "256"])
+def test_strategies_take_a_positive_integer_shard_block(bad):
+    from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy
+
+    assert FLFSDPStrategy(shard_block=256).shard_block == 256 and FLHSDPStrategy().shard_block is None
+    with pytest.raises(ValueError, match="shard_block"):
+        FLHSDPStrategy(shard_block=bad)
