@@ -3,13 +3,15 @@
 Importing the package registers the strategy names ``"fl_fsdp"``, ``"fl_hsdp"``, ``"fsdp2"``, ``"hsdp"`` and
 ``"ddp_dynamiq"``; ``lightning_fedshard.dynamiq`` holds the compressed collectives and the ``DynamiQ`` plugin;
 ``lightning_fedshard.verify`` the neural-network verifier (``verify_files(onnx, vnnlib, VerifyConfig())``);
-``lightning_fedshard.bench.costmodel`` the communication and time cost of a training step
+``lightning_fedshard.optim`` the structure-aware optimizers ``Muon`` and ``AdamW8bit`` and the block-aligned shard planner
+``BlockShardPlan``; ``lightning_fedshard.bench.costmodel`` the communication and time cost of a training step
 (``step_time(Workload.for_llama(...), LEONARDO)``).
 """
 
 from lightning_fedshard.data import TextDataModule
 from lightning_fedshard.dynamiq import DynamiQ
 from lightning_fedshard.models import PRESETS, Llama, LlamaConfig
+from lightning_fedshard.optim import AdamW8bit, BlockShardPlan, Muon
 from lightning_fedshard.strategies import (
     STRATEGY_NAMES,
     CommLedger,
@@ -38,6 +40,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "AdamW8bit",
+    "BlockShardPlan",
     "STRATEGY_NAMES",
     "CommLedger",
     "DynamiQ",
@@ -48,6 +52,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "LlamaPretraining",
+    "Muon",
     "ShardPlan",
     "TextDataModule",
     "TokenThroughputMonitor",

@@ -38,7 +38,20 @@ def print_config(capsys, *args: str) -> dict:
 def test_every_layout_has_a_tiny_and_an_8b_recipe():
     assert {(p.parent.name, p.stem) for p in RECIPES} == {(m, s) for m in ("tiny", "llama3.1-8b") for s in LAYOUTS}
     others = {p.relative_to(REPO / "recipes") for p in (REPO / "recipes").glob("*/*.yaml") if p.stem not in LAYOUTS}
-    assert others == {Path("tiny/ddp_dynamiq.yaml")}
+    assert others == {Path("tiny/ddp_dynamiq.yaml"), *(Path(m, "fl_hsdp_muon.yaml") for m in ("tiny", "llama3.1-8b"))}
+
+
+@pytest.mark.parametrize("size", ["tiny", "llama3.1-8b"])
+def test_the_muon_recipes_are_fl_hsdp_with_muon_as_the_inner_optimizer(size, capsys):
+    muon = print_config(capsys, "--config", str(REPO / f"recipes/{size}/fl_hsdp_muon.yaml"))
+    baseline = print_config(capsys, "--config", str(REPO / f"recipes/{size}/fl_hsdp.yaml"))
+    assert (muon["model"].pop("optimizer"), baseline["model"].pop("optimizer")) == ("muon", "adamw")
+    strategy = muon["trainer"]["strategy"]["init_args"]
+    assert FLHSDPStrategy(**strategy).shard_block == strategy.pop("shard_block")
+    baseline["trainer"]["strategy"]["init_args"].pop("shard_block")
+    for config in (muon, baseline):
+        config["trainer"]["logger"]["init_args"].pop("name")
+    assert muon == baseline
 
 
 def test_the_compression_recipe_differs_from_fsdp2_only_in_strategy_and_run_name(capsys):

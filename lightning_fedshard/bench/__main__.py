@@ -12,6 +12,7 @@ BENCHMARKS = {
     "costmodel": "lightning_fedshard.bench.costmodel",
     "multitier": "lightning_fedshard.bench.multitier",
     "gpu-check": "lightning_fedshard.bench.gpu_check",
+    "optimizers": "lightning_fedshard.bench.optimizers",
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -46,6 +46,7 @@ def apply_fsdp(
     *,
     auto_wrap: Sequence[type[nn.Module]] = (),
     mp_policy: MixedPrecisionPolicy | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard] | None = None,
 ) -> None:
     """Shards every instance of the ``auto_wrap`` classes as its own FSDP2 unit, then each top-level child.
 
@@ -53,6 +54,8 @@ def apply_fsdp(
     block at a time, so peak memory holds one block's full weights, not the model's. The top-level
     children, not ``module`` itself, close the wrapping: a LightningModule runs its layers from
     ``training_step`` and never through its own ``forward``, where FSDP2 would gather a root unit.
+    ``shard_placement_fn`` picks each parameter's ``Shard(dim)`` (default dim 0; see
+    :class:`~lightning_fedshard.optim.ShardPlan`).
     """
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
@@ -60,7 +63,7 @@ def apply_fsdp(
             f"{type(module).__name__} holds parameters {own} directly; FSDP2 cannot shard them without a forward"
             " that runs them. Move them into a submodule."
         )
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "shard_placement_fn": shard_placement_fn}
     for unit in fsdp_units(module, auto_wrap):
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, **kwargs)

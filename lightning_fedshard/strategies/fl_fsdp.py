@@ -43,6 +43,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
         activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        shard_block: int | None = None,
     ) -> None:
         super().__init__(
             num_groups=num_groups,
@@ -57,4 +58,5 @@ class FLFSDPStrategy(FLHSDPStrategy):
             activation_checkpointing=activation_checkpointing,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            shard_block=shard_block,
         )

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -37,6 +38,7 @@ from lightning_fedshard.distributed import JobEnd, check_timeout, destroy_proces
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
 from lightning_fedshard.dynamiq.plugin import DynamiQ
 from lightning_fedshard.dynamiq.settings import Compression
+from lightning_fedshard.optim.shard_plan import BlockShardPlan
 from lightning_fedshard.strategies.apply import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -92,6 +94,10 @@ class FLHSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
             backward pass instead of stored (applied before ``auto_wrap`` sharding).
         process_group_backend: ``"gloo"``, ``"nccl"``, ... (``None``: the device's default).
+        shard_block: Block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`): each parameter is sharded on
+            the dimension whose shards start on multiples of ``shard_block`` coordinates (256 for DynamiQ, 32 or 128
+            for :class:`~lightning_fedshard.optim.AdamW8bit`'s blocks), the plan and its padding logged, and the
+            parameters FSDP2 cannot align named. ``None``: FSDP2's dim 0 for every parameter.
         timeout: How long a collective of any of the run's process groups (the world, ``fed``, ``replicate``,
             ``shard`` and the per-group checkpoint groups) waits for the other ranks before it fails. A rank that
             fails takes the others on its machine with it (a stopped one too), so every rank exits non-zero; a
@@ -128,6 +134,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        shard_block: int | None = None,
     ) -> None:
         name = type(self).__name__
         super().__init__(
@@ -154,6 +161,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}: `{arg}` must be a positive integer or None, got {value!r}.")
         if replicate_size is not None:
             self._check_replicate_size(replicate_size)
+        if shard_block is not None and (not _is_int(shard_block) or shard_block < 1):
+            raise ValueError(f"{name}: `shard_block` must be a positive integer or None, got {shard_block!r}.")
+        self.shard_block = shard_block
         self._num_groups = num_groups
         self._shard_size = shard_size
         self._replicate_size = replicate_size
@@ -295,7 +305,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
                     " auto_wrap=['lightning_fedshard.models.TransformerBlock'], to gather one block at a time."
                 )
             apply_activation_checkpointing(self.model, self._activation_checkpointing)
-            apply_fsdp(self.model, self.fsdp_mesh, auto_wrap=self._auto_wrap, mp_policy=self._mixed_precision_policy())
+            apply_fsdp(
+                self.model,
+                self.fsdp_mesh,
+                auto_wrap=self._auto_wrap,
+                mp_policy=self._mixed_precision_policy(),
+                shard_placement_fn=self._shard_placement_fn(),
+            )
         check_fully_sharded(self.model)
         materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -326,6 +342,19 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_placement_fn(self) -> Callable[[nn.Parameter], Shard] | None:
+        if self.shard_block is None:
+            return None
+        plan = BlockShardPlan.for_module(self.model, self.dims.shard_size, self.shard_block)
+        rank_zero_info(f"{type(self).__name__}: {plan.report()}")
+        if plan.unaligned:
+            rank_zero_warn(
+                f"{type(self).__name__}: FSDP2 cannot shard {len(plan.unaligned)} parameter(s) on {self.shard_block}-"
+                f"coordinate boundaries ({', '.join(p.name for p in plan.unaligned[:4])}"
+                f"{' …' if len(plan.unaligned) > 4 else ''}); their shards stay FSDP2's dim-0 chunks."
+            )
+        return plan.placement_fn
 
     def _compression(self, traffic: str) -> Compression | None:
         """The ``DynamiQ`` plugin's settings when it asks for ``traffic`` to be compressed."""

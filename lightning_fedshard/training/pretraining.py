@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -15,9 +15,12 @@ from torchmetrics import MeanMetric
 
 from lightning_fedshard.data.packing import IGNORE_INDEX
 from lightning_fedshard.models import GPT2, GPT2_PRESETS, GPT2Config, Llama, LlamaConfig
+from lightning_fedshard.optim import AdamW8bit, Muon, muon_param_groups
 from lightning_fedshard.training.schedule import warmup_cosine
 
-__all__ = ["LlamaPretraining"]
+__all__ = ["OPTIMIZERS", "LlamaPretraining"]
+
+OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
 Batch = tuple[Tensor, Tensor]
 
@@ -34,6 +37,11 @@ class LlamaPretraining(pl.LightningModule):
             rotary context ``max_seq_len``.
         lr, betas, eps, weight_decay: AdamW; weight decay applies to matrices and embeddings, not to norms.
             AdamW is fused on CUDA.
+        optimizer: ``"adamw"`` (torch's), ``"adamw8bit"`` (:class:`~lightning_fedshard.optim.AdamW8bit`, moments in
+            8 bits per block of ``quant_block``) or ``"muon"`` (:class:`~lightning_fedshard.optim.Muon` for the blocks'
+            matrices with the same ``lr`` and ``weight_decay`` — Moonshot's RMS matching — and AdamW with ``lr``,
+            ``betas``, ``eps`` for embeddings, norms and the output head).
+        quant_block: AdamW8bit's block size (32, 64, 128 or 256).
         warmup_fraction: Share of the run's optimizer steps spent warming up linearly.
         min_lr_ratio: The cosine decay ends at ``lr * min_lr_ratio``.
 
@@ -59,6 +67,8 @@ class LlamaPretraining(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_fraction: float = 0.1,
         min_lr_ratio: float = 0.1,
+        optimizer: Literal["adamw", "adamw8bit", "muon"] = "adamw",
+        quant_block: int = 128,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -80,6 +90,8 @@ class LlamaPretraining(pl.LightningModule):
                 f"{name}: need lr > 0, 0 ≤ warmup_fraction < 1 and 0 ≤ min_lr_ratio ≤ 1; got lr={lr},"
                 f" warmup_fraction={warmup_fraction}, min_lr_ratio={min_lr_ratio}."
             )
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"{name}: unknown `optimizer={optimizer!r}`; choose one of {OPTIMIZERS}.")
         self.seq_len = seq_len
         self.model: Llama | GPT2 | None = None
         self.val_loss = MeanMetric()
@@ -144,18 +156,31 @@ class LlamaPretraining(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        decayed = [p for p in self.parameters() if p.ndim >= 2]
-        kept = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decayed, "weight_decay": hp.weight_decay}, {"params": kept, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            fused=self.device.type == "cuda",
-        )
+        optimizer = self._optimizer()
         total = int(self.trainer.estimated_stepping_batches)
         schedule = warmup_cosine(total, round(hp.warmup_fraction * total), hp.min_lr_ratio)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
         }
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        betas = tuple(hp.betas)
+        name = hp.get("optimizer", "adamw")
+        if name == "muon":
+            assert self.model is not None
+            return Muon(
+                muon_param_groups(self.model),
+                lr=hp.lr,
+                weight_decay=hp.weight_decay,
+                adamw_betas=betas,
+                adamw_eps=hp.eps,
+                adamw_weight_decay=hp.weight_decay,
+            )
+        decayed = [p for p in self.parameters() if p.ndim >= 2]
+        kept = [p for p in self.parameters() if p.ndim < 2]
+        groups = [{"params": decayed, "weight_decay": hp.weight_decay}, {"params": kept, "weight_decay": 0.0}]
+        if name == "adamw8bit":
+            return AdamW8bit(groups, lr=hp.lr, betas=betas, eps=hp.eps, block_size=hp.get("quant_block", 128))
+        return torch.optim.AdamW(groups, lr=hp.lr, betas=betas, eps=hp.eps, fused=self.device.type == "cuda")

@@ -83,3 +83,20 @@ def test_gpt2_presets_refuse_the_sharding_strategies():
     module._trainer = type("T", (), {"strategy": pl.strategies.ModelParallelStrategy()})()
     with pytest.raises(ValueError, match="data-parallel strategies"):
         module.configure_model()
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "muon"])
+def test_single_device_fit_with_the_structure_aware_optimizers(name):
+    from lightning_fedshard.optim import AdamW8bit, Muon
+
+    module = LlamaPretraining("llama3.1-micro", seq_len=16, lr=1e-3, optimizer=name, quant_block=32)
+    fitted = trainer(max_steps=2, limit_val_batches=0)
+    fitted.fit(module, datamodule=TextDataModule(seq_len=16, batch_size=2))
+    optimizer = fitted.optimizers[0]
+    assert isinstance(optimizer, {"adamw8bit": AdamW8bit, "muon": Muon}[name])
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(module.parameters()))
+    assert all(optimizer.state[p] for p in module.parameters())  # every parameter stepped
+    if name == "muon":
+        assert optimizer.orthogonalised == list(range(2 * 7))  # 7 matrices per block, both blocks
+    with pytest.raises(ValueError, match="unknown `optimizer='sgd'`"):
+        LlamaPretraining("llama3.1-micro", optimizer="sgd")

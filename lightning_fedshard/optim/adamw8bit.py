@@ -1,0 +1,136 @@
+"""AdamW whose two moments are stored in 8 bits with one scale per block (about a quarter of AdamW's state)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim import Optimizer
+
+from lightning_fedshard.optim.block_quant import (
+    dequantize_signed,
+    dequantize_sqrt,
+    num_blocks,
+    quantize_signed,
+    quantize_sqrt,
+)
+from lightning_fedshard.optim.owner_exchange import ShardLayout, local_shard
+
+__all__ = ["AdamW8bit"]
+
+BLOCK_SIZES = (32, 64, 128, 256)
+
+
+class AdamW8bit(Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected) with int8 first and uint8 second moments.
+
+    Each parameter's moments are coded per block of ``block_size`` consecutive coordinates of the rank's local shard
+    (:mod:`~lightning_fedshard.optim.block_quant`: signed linear for ``m``, the square root for ``v``), so a block
+    never crosses a shard boundary; with block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`) the
+    blocks are the whole tensor's, and a sharded run is bit for bit the single-process one. A step decodes both
+    moments to fp32, updates them with the gradient, steps the parameter with the fp32 values and codes them again.
+    The denominator is ``max(√v̂, |m̂|) + eps``: coding may round a small ``√v`` to zero while ``m`` survives, and the
+    floor keeps such a coordinate's step within ``lr`` (the bound exact Adam's step keeps to in practice).
+
+    Parameters with fewer than ``min_8bit_numel`` elements (norms, biases) keep fp32 moments: their scales would
+    cost as much as they save. State per parameter: ``step``; ``exp_avg``/``exp_avg_sq`` (the codes, or fp32) shaped
+    and sharded like the parameter; ``exp_avg_scale``/``exp_avg_sq_scale`` (fp32, one per block, each rank's
+    blocks a ``Shard(0)`` slice padded to the largest rank's count) — DTensors under FSDP2, so DCP saves and
+    restores them per shard like AdamW's.
+
+    Example::
+
+        optimizer = AdamW8bit(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, block_size=128)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block_size: int = 128,
+        min_8bit_numel: int = 4096,
+    ) -> None:
+        if not 0.0 <= lr < math.inf:
+            raise ValueError(f"AdamW8bit: `lr` must be finite and ≥ 0, got {lr}.")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW8bit: `betas` must be in [0, 1), got {betas}.")
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"AdamW8bit: `block_size` must be one of {BLOCK_SIZES}, got {block_size!r}.")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.block_size = block_size
+        self.min_8bit_numel = min_8bit_numel
+
+    def quantized(self, p: Tensor) -> bool:
+        """Whether ``p``'s moments are stored in 8 bits (decided on the global size, the same on every rank)."""
+        return p.numel() >= self.min_8bit_numel
+
+    def _init_state(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        if self.quantized(p):
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.int8)
+            state["exp_avg_scale"] = self._scales_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
+            state["exp_avg_sq_scale"] = self._scales_like(p)
+        else:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
+    def _scales_like(self, p: Tensor) -> Tensor:
+        if not isinstance(p, DTensor):
+            return torch.zeros(num_blocks(p.numel(), self.block_size), device=p.device)
+        layout = ShardLayout.of(p)
+        per_rank = num_blocks(layout.local_numel(0), self.block_size)  # rank 0's shard is the largest
+        placements = [Shard(0) if pl.is_shard() else Replicate() for pl in p.placements]
+        local = torch.zeros(per_rank, device=p.to_local().device)
+        return DTensor.from_local(
+            local, p.device_mesh, placements, run_check=False, shape=(per_rank * layout.world,), stride=(1,)
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        block = self.block_size
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p] if self.state[p] else self._init_state(p)
+                state["step"] += 1
+                t = float(state["step"])
+                param, grad = local_shard(p), local_shard(p.grad).float()
+                m_store, v_store = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+                quantized = "exp_avg_scale" in state
+                if quantized:
+                    m_scales, v_scales = local_shard(state["exp_avg_scale"]), local_shard(state["exp_avg_sq_scale"])
+                    m = dequantize_signed(m_store, m_scales, block)
+                    v = dequantize_sqrt(v_store, v_scales, block)
+                else:
+                    m, v = m_store, v_store
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                correction1, correction2 = 1 - beta1**t, 1 - beta2**t
+                denom = (v.sqrt() / math.sqrt(correction2)).maximum(m.abs() / correction1).add_(eps)
+                param.mul_(1 - lr * decay)
+                param.addcdiv_(m.to(param.dtype), denom.to(param.dtype), value=-lr / correction1)
+                if quantized:
+                    codes, scales = quantize_signed(m, block)
+                    m_store.copy_(codes)
+                    m_scales[: scales.numel()].copy_(scales)
+                    codes, scales = quantize_sqrt(v, block)
+                    v_store.copy_(codes)
+                    v_scales[: scales.numel()].copy_(scales)
+        return loss
