@@ -17,6 +17,8 @@ from lightning_fedshard.strategies import (
     FedShardDims,
     FLFSDPStrategy,
     FLHSDPStrategy,
+    FragmentSchedule,
+    partition_fragments,
     register_strategies,
 )
 from lightning_fedshard.training import LlamaPretraining, TokenThroughputMonitor
@@ -45,6 +47,7 @@ __all__ = [
     "FLFSDPStrategy",
     "FLHSDPStrategy",
     "FedShardDims",
+    "FragmentSchedule",
     "Llama",
     "LlamaConfig",
     "LlamaPretraining",
@@ -58,6 +61,7 @@ __all__ = [
     "VnncompInstances",
     "__version__",
     "load_onnx",
+    "partition_fragments",
     "read_vnnlib",
     "verify_files",
 ]
