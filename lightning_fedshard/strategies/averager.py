@@ -71,7 +71,8 @@ class FedAverager:
         fragments: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.named_params = list(named_params)
-        self.fragments = [list(f) for f in fragments] if fragments is not None else [list(range(len(self.named_params)))]
+        everything = [list(range(len(self.named_params)))]
+        self.fragments = [list(f) for f in fragments] if fragments is not None else everything
         self._fed_group = fed_group
         self._replicate_group = replicate_group
         self._ledger = ledger

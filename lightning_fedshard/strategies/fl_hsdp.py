@@ -333,7 +333,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             named_params = list(self.model.named_parameters())
-            fragments = None if self._schedule is None else partition_fragments(self.model, named_params, self._schedule.fragments)
+            fragments = None
+            if self._schedule is not None:
+                fragments = partition_fragments(self.model, named_params, self._schedule.fragments)
             self._averager = FedAverager(
                 named_params,
                 fed_group=self.fed_group,

@@ -78,27 +78,39 @@ class FragmentSchedule:
         return (step // self.interval - 1) % self.fragments if step % self.interval == 0 else None
 
 
-def partition_fragments(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], fragments: int) -> list[list[int]]:
+def partition_fragments(
+    module: nn.Module,
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    fragments: int,
+    units: Sequence[nn.Module] | None = None,
+) -> list[list[int]]:
     """Splits ``named_params`` (in module order) into ``fragments`` runs of consecutive FSDP units, balanced by size.
 
     A parameter belongs to the innermost FSDP unit around it; a root unit's parameters before and after its inner
     units (a Llama's embeddings, final norm and head) are separate pieces, so they join the blocks next to them.
     The pieces are cut into ``fragments`` consecutive runs so that the largest run is as small as possible.
     Returns indices into ``named_params``; the same on every rank, since it depends on names and global shapes only.
+    ``units`` are the FSDP units (default: the ``fully_shard`` modules of ``module``; the cost model passes the
+    units :func:`~lightning_fedshard.strategies.apply.fsdp_units` would shard, for a model not sharded yet).
 
     Example::
 
         partition_fragments(model, list(model.named_parameters()), 4)  # [[0, 1, ...], [...], [...], [...]]
     """
-    units = sorted(
-        (name + "." if name else "" for name, m in module.named_modules() if isinstance(m, FSDPModule)),
+    unit_ids = {id(m) for m in units} if units is not None else None
+    prefixes = sorted(
+        (
+            name + "." if name else ""
+            for name, m in module.named_modules()
+            if (id(m) in unit_ids if unit_ids is not None else isinstance(m, FSDPModule))
+        ),
         key=len,
         reverse=True,
     )
     pieces: list[list[int]] = []
     last_unit: str | None = None
     for i, (name, _) in enumerate(named_params):
-        unit = next((prefix for prefix in units if name.startswith(prefix)), "")
+        unit = next((prefix for prefix in prefixes if name.startswith(prefix)), "")
         if unit != last_unit:
             pieces.append([])
             last_unit = unit
@@ -149,7 +161,9 @@ class StreamingSync:
 
     def __init__(self, averager: FedAverager, schedule: FragmentSchedule) -> None:
         if len(averager.fragments) != schedule.fragments:
-            raise ValueError(f"the averager has {len(averager.fragments)} fragments, the schedule {schedule.fragments}.")
+            raise ValueError(
+                f"the averager has {len(averager.fragments)} fragments, the schedule {schedule.fragments}."
+            )
         self.averager = averager
         self.schedule = schedule
         self.pending: PendingAverage | None = None
@@ -165,7 +179,9 @@ class StreamingSync:
         """Sends and applies what is due after optimizer step ``step``; returns the fragment applied, if any."""
         if (fragment := self.schedule.starting(step)) is not None:
             if self.pending is not None:
-                raise RuntimeError(f"streaming sync: fragment {self.pending.fragment} is still in flight at step {step}.")
+                raise RuntimeError(
+                    f"streaming sync: fragment {self.pending.fragment} is still in flight at step {step}."
+                )
             self.pending = self.averager.start(fragment)
         if (fragment := self.schedule.finishing(step)) is None:
             return None

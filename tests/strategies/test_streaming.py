@@ -1,4 +1,4 @@
-"""Streaming sync (streaming DiLoCo fragments) on real gloo processes, against blocking sync and hand-written updates."""
+"""Streaming sync (streaming DiLoCo fragments) on real gloo processes, against blocking sync and hand updates."""
 
 from __future__ import annotations
 
@@ -15,17 +15,18 @@ STREAMING_LIKE_BLOCKING = {
     "strategy_kwargs": fl_fsdp(sync_every=3, sync_schedule="streaming", fragments=1, fragment_sync_delay=0),
 }
 OUTER_LR, MOMENTUM, ALPHA = 0.7, 0.9, 0.5
-# 2 fragments, each sent one step before it is applied and mixed half-and-half; DiLoCo's outer step per fragment
+
+
+def streaming_diloco(**kwargs) -> dict:
+    """2 fragments mixed half-and-half with the local shards when applied; DiLoCo's outer step per fragment."""
+    return fl_fsdp(outer_optimizer="nesterov", sync_schedule="streaming", fragments=2, fragment_update_alpha=ALPHA,
+                   **kwargs)  # fmt: skip
+
+
+# each fragment sent one step before it is applied
 STREAMING_DILOCO = {
     **FL_FSDP,
-    "strategy_kwargs": fl_fsdp(
-        sync_every=4,
-        outer_optimizer="nesterov",
-        sync_schedule="streaming",
-        fragments=2,
-        fragment_sync_delay=1,
-        fragment_update_alpha=ALPHA,
-    ),
+    "strategy_kwargs": streaming_diloco(sync_every=4, fragment_sync_delay=1),
     "max_steps": 8,
     "val_check_interval": 3,  # a no-grad forward while fragment 1's average is in flight
 }
@@ -82,8 +83,10 @@ def test_streaming_diloco_averages_every_parameter_once_per_round_by_the_delayed
         for group, record in enumerate(records):
             post = record[k]["post"]
             for n in names:
-                torch.testing.assert_close(post[n], expected[group][n], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=n, g=group, k=k: f"group {g}, step {k + 1}, {n}: {m}")  # fmt: skip
+                where = f"group {group}, step {k + 1}, {n}"
+                torch.testing.assert_close(
+                    post[n], expected[group][n], rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+                )
             if applied is None:  # sending changes nothing
                 assert all(torch.equal(post[n], pre[group][n]) for n in names)
     # the fit ends with every group holding the same parameters
@@ -97,7 +100,8 @@ def test_streaming_rounds_send_the_blocking_rounds_fed_bytes_counted_per_fragmen
     fragments = ranks[0]["fragments"]
     sizes = {n: t.numel() * t.element_size() for n, t in ranks[0]["initial"].items()}
     for round_start in (1, 5):
-        sent = sum(ranks[r]["ledger_steps"][s - 1]["comm/fed_bytes"] for r in group for s in range(round_start, round_start + 4))
+        steps = range(round_start, round_start + 4)
+        sent = sum(ranks[r]["ledger_steps"][s - 1]["comm/fed_bytes"] for r in group for s in steps)
         assert sent == param_bytes(ranks[0])  # a blocking round: every rank's slice once, 2·(F-1)/F = 1×
     for f, members in enumerate(fragments):
         per_round = sum(ranks[r]["fragment_bytes"][f] for r in group) / 2
@@ -123,3 +127,37 @@ def test_bad_streaming_settings_fail_at_construction(kwargs, message):
     for cls in (FLFSDPStrategy, FLHSDPStrategy):
         with pytest.raises(ValueError, match=message):
             cls(**kwargs)
+
+
+# 4 ranks × batch 4 over 32 samples: 2 steps per epoch, so the checkpoint at step 6 falls on an epoch boundary.
+# Fragment 1 is sent after step 6 and applied after step 8: the checkpoint holds its average in flight.
+STREAMING_RESUME = {
+    **FL_FSDP,
+    "strategy_kwargs": streaming_diloco(sync_every=8, fragment_sync_delay=2),
+    "num_samples": 32,
+    "limit_val_batches": 0,
+    "max_steps": 10,
+}
+
+
+@pytest.mark.slow  # three launches: the uninterrupted run, the first part, the resumed part
+def test_a_checkpoint_with_an_average_in_flight_resumes_to_the_uninterrupted_run(tmp_path):
+    from lightning_fedshard.strategies.group_checkpoint import load_meta
+    from tests.strategies.conftest import launch, load_ranks
+
+    def run(cfg: dict, name: str) -> list[dict]:
+        result = launch(cfg, tmp_path / name)
+        assert result.returncode == 0, result.stderr[-6000:]
+        return load_ranks(tmp_path / name, cfg["devices"])
+
+    ckpt_dir = tmp_path / "checkpoints"
+    full = run(STREAMING_RESUME, "full")
+    run({**STREAMING_RESUME, "max_steps": 6, "checkpoint_every": 6, "checkpoint_dir": str(ckpt_dir)}, "first")
+    (step6,) = ckpt_dir.glob("*step=6.ckpt")
+    assert load_meta(step6)["fedshard"]["in_flight_fragment"] == 1
+    resumed = run({**STREAMING_RESUME, "resume_from": str(step6)}, "resumed")
+    for a, b in zip(full, resumed, strict=True):
+        assert b["losses"] == pytest.approx(a["losses"][6:], rel=1e-6, abs=1e-7)
+        for name in a["final"]:
+            torch.testing.assert_close(b["final"][name], a["final"][name], rtol=1e-6, atol=1e-7)
+        assert [x["step"] for x in b["syncs"]] == [s for s in (8, 10) if s > 6]
