@@ -185,6 +185,7 @@ class FedAverager:
         if not flag.item():
             return
         group, rank = dist.get_rank(self._fed_group), dist.get_rank()
+        names = [self.named_params[i][0] for i in indices]
         found = [
             f"federation group {group} (rank {rank}): the {what} {name!r} "
             + (
@@ -193,9 +194,8 @@ class FedAverager:
                 else f"holds values up to {peak.item():.3g}, too large to average over {num_groups} groups in"
                 f" {self._sync_dtype}"
             )
-            for i, peak, bad in zip(indices, peaks.cpu(), unsafe.cpu(), strict=True)
+            for name, peak, bad in zip(names, peaks.cpu(), unsafe.cpu(), strict=True)
             if bad
-            for name in [self.named_params[i][0]]
         ]
         reports: list[list[str]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(reports, found)
