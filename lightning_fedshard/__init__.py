@@ -19,6 +19,8 @@ from lightning_fedshard.strategies import (
     FedShardDims,
     FLFSDPStrategy,
     FLHSDPStrategy,
+    FragmentSchedule,
+    partition_fragments,
     register_strategies,
 )
 from lightning_fedshard.training import LlamaPretraining, TokenThroughputMonitor
@@ -49,6 +51,7 @@ __all__ = [
     "FLFSDPStrategy",
     "FLHSDPStrategy",
     "FedShardDims",
+    "FragmentSchedule",
     "Llama",
     "LlamaConfig",
     "LlamaPretraining",
@@ -63,6 +66,7 @@ __all__ = [
     "VnncompInstances",
     "__version__",
     "load_onnx",
+    "partition_fragments",
     "read_vnnlib",
     "verify_files",
 ]

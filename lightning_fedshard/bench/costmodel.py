@@ -143,6 +143,10 @@ class Workload:
     """Tokens one rank processes per optimizer step."""
     flops_per_token: float = 0.0
     """Training FLOPs per token (forward and backward, no recomputation)."""
+    fragment_shares: tuple[float, ...] = (1.0,)
+    """Streaming sync: each fragment's share of the parameters (one fragment, the whole model: blocking sync)."""
+    fragment_sync_delay: int = 0
+    """Streaming sync's τ: steps of compute a fragment's average has to cross the network before it is applied."""
 
     @classmethod
     def for_llama(
@@ -198,24 +202,25 @@ def _step_collectives(w: Workload) -> list[_Collectives]:
 
 
 def _sync_collectives(w: Workload, replicate_rank: int = 0) -> list[_Collectives]:
-    """One cross-group round: the all-reduce of this rank's shards over the F groups (bucketed), and in
-    ``leader`` mode the broadcast of the result from replica 0 to the other replicas of its group."""
+    """One cross-group round, every fragment once."""
+    return [c for share in w.fragment_shares for c in _fragment_collectives(w, share, replicate_rank)]
+
+
+def _fragment_collectives(w: Workload, share: float, replicate_rank: int = 0) -> list[_Collectives]:
+    """The average of one fragment (``share`` of the parameters): the all-reduce of this rank's shards over the F
+    groups (bucketed), and in ``leader`` mode the broadcast of the result from replica 0 to the other replicas."""
     f, r = w.dims.num_groups, w.dims.replicate_size
     if f == 1:
         return []
-    buckets = _sync_buckets(w)
+    numel = w.sizes.local_numel * share
+    buckets = _sync_buckets(w, numel)
     leader = w.sync_mode == "leader" and r > 1
     out = []
     if not leader or replicate_rank == 0:
         out.append(_Collectives("fed", "all_reduce", sum(_fed_all_reduce_bytes(w, n) for n in buckets), len(buckets)))
     if leader:
         out.append(
-            _Collectives(
-                "replicate",
-                "broadcast",
-                ring_bytes("broadcast", w.sizes.local_numel * w.sync_itemsize, r),
-                len(buckets),
-            )
+            _Collectives("replicate", "broadcast", ring_bytes("broadcast", numel * w.sync_itemsize, r), len(buckets))
         )
     return out
 
@@ -244,10 +249,11 @@ def mean_step_bytes(w: Workload, replicate_rank: int = 0) -> dict[str, float]:
     return {tier: plain[tier] + synced[tier] / w.sync_every for tier in TIERS}
 
 
-def _sync_buckets(w: Workload) -> list[float]:
-    """Element counts of the flat buckets the averager all-reduces (at most ``BUCKET_BYTES`` each)."""
+def _sync_buckets(w: Workload, numel: float) -> list[float]:
+    """Element counts of the flat buckets the averager all-reduces for ``numel`` elements (at most ``BUCKET_BYTES``
+    each)."""
     per_bucket = BUCKET_BYTES // w.sync_itemsize
-    full, rest = divmod(w.sizes.local_numel, per_bucket)
+    full, rest = divmod(numel, per_bucket)
     return [per_bucket] * int(full) + ([rest] if rest else [])
 
 
@@ -371,6 +377,8 @@ class StepTime:
     comm: dict[str, float]
     """Per mesh tier, all of it, hidden or not."""
     total: float
+    fed_hidden: float = 0.0
+    """Seconds of the cross-group round (per step) that streaming sync hides behind the next steps' compute."""
 
     def tokens_per_second(self, w: Workload) -> float:
         return w.dims.world_size * w.tokens_per_step / self.total
@@ -379,20 +387,28 @@ class StepTime:
 def step_time(w: Workload, cluster: Cluster) -> StepTime:
     """Predicted step time: compute from FLOPs and MFU; each collective costs its calls' and hops' latency
     plus its bytes over the slowest link of its rings; with ``overlap`` FSDP's traffic hides behind
-    compute, while the blocking cross-group round (divided by ``sync_every``) never does."""
+    compute. The cross-group round (divided by ``sync_every``) blocks, except under streaming sync: each
+    fragment's average is in flight during the ``fragment_sync_delay`` steps before it is applied, so up to
+    that many steps' time of it is hidden and only the rest waits (DynamiQ's ring runs in the training thread
+    and hides nothing)."""
     compute = w.tokens_per_step * w.flops_per_token / (cluster.peak_flops * cluster.mfu)
     rings = _rings(w.dims, cluster.devices_per_node)
     comm = dict.fromkeys(TIERS, 0.0)
     for c in _step_collectives(w):
         comm[c.tier] += _seconds(c, rings[c.tier], cluster)
     inner = sum(comm.values())
-    sync = sum(_seconds(c, rings[c.tier], cluster) for c in _sync_collectives(w))
-    if w.fed_compression is not None and w.dims.num_groups > 1:
-        f = w.dims.num_groups
-        sync += 2 * (f - 1) / f * w.sizes.local_numel * cluster.codec_seconds_per_coord
+    local_step = max(compute, inner) if cluster.overlap else compute + inner
+    sync = hidden = 0.0
+    for share in w.fragment_shares:
+        seconds = sum(_seconds(c, rings[c.tier], cluster) for c in _fragment_collectives(w, share))
+        if w.fed_compression is not None and w.dims.num_groups > 1:
+            f = w.dims.num_groups
+            seconds += 2 * (f - 1) / f * w.sizes.local_numel * share * cluster.codec_seconds_per_coord
+        else:
+            hidden += min(seconds, w.fragment_sync_delay * local_step)
+        sync += seconds
     comm["fed"] += sync / w.sync_every
-    total = (max(compute, inner) if cluster.overlap else compute + inner) + sync / w.sync_every
-    return StepTime(compute, comm, total)
+    return StepTime(compute, comm, local_step + (sync - hidden) / w.sync_every, hidden / w.sync_every)
 
 
 _HOPS_PER_MEMBER = {"all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_reduce": 2}

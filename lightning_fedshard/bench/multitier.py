@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import yaml
@@ -39,20 +40,26 @@ from lightning_fedshard.bench.costmodel import (
 from lightning_fedshard.bench.netns import ClusterUnavailable, NamespaceCluster, check_available
 from lightning_fedshard.bench.recipes import TINY, fit_arguments, metrics_path, read_metrics, summarize
 from lightning_fedshard.dynamiq.settings import Compression
-from lightning_fedshard.strategies.dims import FedShardDims
+from lightning_fedshard.strategies import FedShardDims, partition_fragments
+from lightning_fedshard.strategies.apply import fsdp_units
 from lightning_fedshard.strategies.ledger import TIERS
 
 __all__ = ["NODES", "RANKS_PER_NODE", "LinkBytesMonitor", "Run", "machine_cluster", "main", "recipe_workload"]
 
 NODES, RANKS_PER_NODE = 2, 2
-#: (name, recipe, cross-group DynamiQ bits or None); hsdp first: the baseline of every ratio.
+#: Streaming sync for the "+streaming" runs: the recipes' 8-step round as 2 fragments, each in flight for 3 steps
+#: of compute before it is applied half-and-half with the local shards.
+STREAMING = {"sync_schedule": "streaming", "fragments": 2, "fragment_sync_delay": 3, "fragment_update_alpha": 0.5}
+#: (name, recipe, cross-group DynamiQ bits or None, strategy arguments); hsdp first: the baseline of every ratio.
 RUNS = (
-    ("hsdp", "hsdp", None),
-    ("fsdp2", "fsdp2", None),
-    ("fl_fsdp", "fl_fsdp", None),
-    ("fl_hsdp", "fl_hsdp", None),
-    ("fl_fsdp+dynamiq", "fl_fsdp", 5.0),
-    ("fl_hsdp+dynamiq", "fl_hsdp", 5.0),
+    ("hsdp", "hsdp", None, {}),
+    ("fsdp2", "fsdp2", None, {}),
+    ("fl_fsdp", "fl_fsdp", None, {}),
+    ("fl_hsdp", "fl_hsdp", None, {}),
+    ("fl_fsdp+dynamiq", "fl_fsdp", 5.0, {}),
+    ("fl_hsdp+dynamiq", "fl_hsdp", 5.0, {}),
+    ("fl_fsdp+streaming", "fl_fsdp", None, STREAMING),
+    ("fl_hsdp+streaming", "fl_hsdp", None, STREAMING),
 )
 _PORT = 29731
 
@@ -76,22 +83,33 @@ class Run:
 # ---- the cost model's view of a recipe and of this machine ------------------------------------------------
 
 
-def recipe_workload(config_path: Path, fed_bits: float | None = None, dims: FedShardDims | None = None) -> Workload:
-    """The tiny recipe ``config_path`` as a :class:`Workload` (its mesh, model, batch and sync interval);
-    ``dims`` replaces the recipe's mesh, and the shards are sized for it."""
+def recipe_workload(
+    config_path: Path,
+    fed_bits: float | None = None,
+    dims: FedShardDims | None = None,
+    strategy_args: dict[str, Any] | None = None,
+) -> Workload:
+    """The tiny recipe ``config_path`` as a :class:`Workload` (its mesh, model, batch, sync interval and schedule);
+    ``dims`` replaces the recipe's mesh, and the shards are sized for it; ``strategy_args`` override the recipe's."""
     import torch
     from torch import nn
 
     from lightning_fedshard.models import Llama, LlamaConfig, TransformerBlock
 
     config = yaml.safe_load(config_path.read_text())
-    init = config["trainer"]["strategy"]["init_args"]
+    init = {**config["trainer"]["strategy"]["init_args"], **(strategy_args or {})}
     dims = dims or FedShardDims(init.get("num_groups", 1), init.get("replicate_size", 1), init["shard_size"])
     llama = LlamaConfig.from_name(config["model"]["preset"])
     holder = nn.Module()
     with torch.device("meta"):  # only the shapes count
         holder.model = Llama(llama)  # the LightningModule's one child with parameters
     seq_len, batch = config["data"]["seq_len"], config["data"]["batch_size"]
+    shares: tuple[float, ...] = (1.0,)
+    if init.get("sync_schedule") == "streaming":
+        named = list(holder.named_parameters())
+        fragments = partition_fragments(holder, named, init["fragments"], fsdp_units(holder, [TransformerBlock]))
+        total = sum(p.numel() for _, p in named)
+        shares = tuple(sum(named[i][1].numel() for i in fragment) / total for fragment in fragments)
     return Workload(
         dims,
         ShardedSizes.of_module(holder, dims.shard_size, auto_wrap=[TransformerBlock]),
@@ -99,6 +117,8 @@ def recipe_workload(config_path: Path, fed_bits: float | None = None, dims: FedS
         fed_compression=Compression(bits=fed_bits) if fed_bits is not None else None,
         tokens_per_step=seq_len * batch,
         flops_per_token=llama.flops_per_token(seq_len),
+        fragment_shares=shares,
+        fragment_sync_delay=init.get("fragment_sync_delay", 0),
     )
 
 
@@ -291,6 +311,7 @@ def run_one(
     name: str,
     recipe: str,
     fed_bits: float | None,
+    strategy_args: dict[str, Any],
     rate_mbit: float,
     calibration: dict[str, float],
     args: argparse.Namespace,
@@ -304,6 +325,7 @@ def run_one(
         f"--trainer.max_steps={args.steps}",
         f"--trainer.val_check_interval={args.steps // 2}",
         f"--trainer.limit_val_batches={args.val_batches}",
+        *(f"--trainer.strategy.init_args.{key}={value}" for key, value in strategy_args.items()),
     ]
     if fed_bits is not None:
         plugin = {"class_path": "lightning_fedshard.DynamiQ", "init_args": {"bits": fed_bits, "traffic": ["fed"]}}
@@ -321,7 +343,7 @@ def run_one(
     link = json.loads((link_dir / "node0.json").read_text())
     egress = link["bytes"] / link["steps"]
     result = summarize(label, read_metrics(metrics_path(args.out, label)))
-    workload = recipe_workload(config, fed_bits)
+    workload = recipe_workload(config, fed_bits, strategy_args=strategy_args)
     machine = machine_cluster(calibration, rate_mbit, cluster.mtu)
     predicted = step_time(workload, machine)
     return Run(
@@ -374,6 +396,16 @@ def format_table(runs: list[Run]) -> str:
                 f"   ledger bytes/step ×{sum(r.ledger_bytes.values()) / sum(base.ledger_bytes.values()):.3f}"
                 f"   link bytes/step ×{r.node_egress_bytes / base.node_egress_bytes:.3f}"
             )
+    fastest = max(r.rate_mbit for r in runs)
+    own = {r.name: r for r in runs if r.rate_mbit == fastest}
+    lines += ["", f"each run against itself at {fastest:g} Mbit/s:"]
+    for r in runs:
+        if r.rate_mbit != fastest and r.name in own:
+            lines.append(
+                f"    {r.name:<18} at {r.rate_mbit:g} Mbit/s:"
+                f" tokens/s ×{r.tokens_per_s / own[r.name].tokens_per_s:.3f}"
+                f"   val loss ×{r.val_loss / own[r.name].val_loss:.4f}"
+            )
     worst = max(abs(r.predicted_step_s / r.measured_step_s - 1) for r in runs)
     lines += ["", f"largest step-time error of the cost model: {worst:.1%}"]
     return "\n".join(lines)
@@ -390,7 +422,7 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name in names:
         mine = sorted((r for r in runs if r.name == name), key=lambda r: r.rate_mbit)
-        style = "--" if "dynamiq" in name else "-"
+        style = "--" if "dynamiq" in name else ":" if "streaming" in name else "-"
         ax.plot([r.rate_mbit for r in mine], [r.tokens_per_s for r in mine], style, marker="o", label=name)
     ax.set(xscale="log", xlabel="link rate between nodes (Mbit/s)", ylabel="tokens/s (all ranks)")
     ax.set_title(f"tiny Llama 3.1, {NODES} nodes × {RANKS_PER_NODE} ranks, shaped links")
@@ -429,7 +461,7 @@ def _save(fig, ax, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fedshard bench multitier", description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0, 1000.0], help="link rates, Mbit/s")
-    parser.add_argument("--runs", nargs="+", default=[name for name, _, _ in RUNS], help="which of the runs")
+    parser.add_argument("--runs", nargs="+", default=[name for name, *_ in RUNS], help="which of the runs")
     parser.add_argument(
         "--steps", type=int, default=32, help="optimizer steps per run (validated half-way and at the end)"
     )
@@ -446,9 +478,9 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(runs))
         print("\nplots: " + ", ".join(map(str, plot(runs, args.from_results.parent))))
         return
-    unknown = set(args.runs) - {name for name, _, _ in RUNS}
+    unknown = set(args.runs) - {name for name, *_ in RUNS}
     if unknown or "hsdp" not in args.runs:
-        parser.error(f"--runs must name runs of {[n for n, _, _ in RUNS]} and include the hsdp baseline")
+        parser.error(f"--runs must name runs of {[n for n, *_ in RUNS]} and include the hsdp baseline")
     if args.steps < 16 or args.steps % 16 or min(args.rates) <= 0:
         parser.error("--steps must be a positive multiple of 16 (two syncs of 8 per half) and rates positive")
     try:
@@ -463,11 +495,11 @@ def main(argv: list[str] | None = None) -> None:
         port = _PORT
         for rate in args.rates:
             cluster.set_rate(rate)
-            for name, recipe, bits in RUNS:
+            for name, recipe, bits, strategy_args in RUNS:
                 if name in args.runs:
                     port += 1
                     print(f"{rate:g} Mbit/s: {name} ...", flush=True)
-                    runs.append(run_one(cluster, name, recipe, bits, rate, calibration, args, port))
+                    runs.append(run_one(cluster, name, recipe, bits, strategy_args, rate, calibration, args, port))
     print(format_table(runs))
     pngs = plot(runs, args.out)
     (args.out / "results.json").write_text(

@@ -6,6 +6,7 @@ from lightning_fedshard.strategies.fl_fsdp import FLFSDPStrategy
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
 from lightning_fedshard.strategies.ledger import CommLedger
 from lightning_fedshard.strategies.registry import STRATEGY_NAMES, register_strategies
+from lightning_fedshard.strategies.streaming import FragmentSchedule, StreamingSync, partition_fragments
 
 __all__ = [
     "CommLedger",
@@ -13,6 +14,9 @@ __all__ = [
     "FLFSDPStrategy",
     "FLHSDPStrategy",
     "FedShardDims",
+    "FragmentSchedule",
     "STRATEGY_NAMES",
+    "StreamingSync",
+    "partition_fragments",
     "register_strategies",
 ]

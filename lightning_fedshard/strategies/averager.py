@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -15,7 +16,7 @@ from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 from lightning_fedshard.strategies.ledger import CommLedger
 
-__all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager"]
+__all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager", "PendingAverage"]
 
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 SYNC_MODES = ("all_replicas", "leader")
@@ -47,6 +48,11 @@ class FedAverager:
         averager = FedAverager(model.named_parameters(), fed_group=mesh.get_group("fed"),
                                replicate_group=mesh.get_group("replicate"), ledger=CommLedger())
         averager.sync()  # after resharding every FSDP module
+
+    ``fragments`` splits the parameters (indices into ``named_params``) for streaming sync: :meth:`start` sends one
+    fragment's average without waiting for it, :meth:`finish` applies it later; :meth:`sync` does both for every
+    fragment in turn. The outer optimizer steps only the fragment being finished (its other references hold no
+    gradient), so each fragment's momentum sees only its own pseudo-gradients.
     """
 
     def __init__(
@@ -62,8 +68,11 @@ class FedAverager:
         sync_dtype: torch.dtype = torch.float32,
         sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
         compression: Compression | None = None,
+        fragments: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.named_params = list(named_params)
+        everything = [list(range(len(self.named_params)))]
+        self.fragments = [list(f) for f in fragments] if fragments is not None else everything
         self._fed_group = fed_group
         self._replicate_group = replicate_group
         self._ledger = ledger
@@ -80,9 +89,10 @@ class FedAverager:
         if self._codec is not None:
             # compile the codec's kernels for this run's bucket sizes now, not inside the first sync
             local = [p.to_local() for _, p in self.named_params]
-            for bucket in _buckets(local, BUCKET_BYTES // sync_dtype.itemsize):
-                numel = sum(t.numel() for t in bucket)
-                compression.warm_up(self._codec, numel, dist.get_world_size(fed_group), local[0].device)
+            for fragment in self.fragments:
+                for bucket in _buckets([local[i] for i in fragment], BUCKET_BYTES // sync_dtype.itemsize):
+                    numel = sum(t.numel() for t in bucket)
+                    compression.warm_up(self._codec, numel, dist.get_world_size(fed_group), local[0].device)
         if outer_optimizer == "nesterov":
             self._outer = torch.optim.SGD(self._reference, lr=outer_lr, momentum=outer_momentum, nesterov=True)
             # A zero buffer makes the first step identical to SGD's lazy init and gives the checkpoint a fixed layout.
@@ -91,29 +101,68 @@ class FedAverager:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Runs one cross-group round. Every FSDP module must be resharded first."""
-        local_shards = [p.to_local() for _, p in self.named_params]
+        """Runs one cross-group round, every fragment at once. Every FSDP module must be resharded first."""
+        for fragment in range(len(self.fragments)):
+            self.finish(self.start(fragment))
+
+    @torch.no_grad()
+    def start(self, fragment: int) -> PendingAverage:
+        """Sends ``fragment``'s contribution (its local shards, or with a reference their change since the last sync)
+        into the cross-group average and returns without waiting for it (DynamiQ's compressed ring, which runs in
+        the calling thread, completes here). Every FSDP module must be resharded first."""
+        indices = self.fragments[fragment]
+        local = [self.named_params[i][1].to_local() for i in indices]
+        if self._reference:
+            contributions = [self._reference[i] - t.to(self._sync_dtype) for i, t in zip(indices, local, strict=True)]
+            what = "change since the last sync of"
+        else:
+            contributions, what = local, "parameter"
+        self._refuse_unsafe_average(contributions, what, indices)
+        pending = PendingAverage(fragment, indices)
+        for bucket in _buckets(list(range(len(indices))), BUCKET_BYTES // self._sync_dtype.itemsize, contributions):
+            flat = torch.cat([contributions[j].reshape(-1).to(self._sync_dtype) for j in bucket])
+            pending.buckets.append((bucket, flat, self._start_mean(flat, fragment)))
+        return pending
+
+    @torch.no_grad()
+    def finish(self, pending: PendingAverage, alpha: float = 0.0) -> None:
+        """Waits for ``pending`` and applies it: the fragment's global copy becomes the average (FedAvg) or takes the
+        outer step on the averaged pseudo-gradient (DiLoCo), and each local shard becomes
+        ``alpha · local + (1 - alpha) · global`` (``alpha = 0``: the global copy exactly)."""
+        self.complete(pending)
+        indices = pending.indices
+        local = [self.named_params[i][1].to_local() for i in indices]
+        averaged = pending.unflatten(local)
         if not self._reference:
-            self._refuse_unsafe_average(local_shards, "parameter")
-            self._mean_across_groups_(local_shards)
+            for t, mean in zip(local, averaged, strict=True):
+                _mix_(t, mean, alpha)
             return
-        pseudo_grads = [
-            ref - local.to(self._sync_dtype) for ref, local in zip(self._reference, local_shards, strict=True)
-        ]
-        self._refuse_unsafe_average(pseudo_grads, "change since the last sync of")
-        self._mean_across_groups_(pseudo_grads)
+        refs = [self._reference[i] for i in indices]
         if self._outer is None:
-            for ref, grad in zip(self._reference, pseudo_grads, strict=True):
+            for ref, grad in zip(refs, averaged, strict=True):
                 ref.sub_(grad)
         else:
-            for ref, grad in zip(self._reference, pseudo_grads, strict=True):
+            for ref, grad in zip(refs, averaged, strict=True):
                 ref.grad = grad
-            self._outer.step()
+            self._outer.step()  # steps only the references that hold a gradient: this fragment's
             self._outer.zero_grad(set_to_none=True)
-        for local, ref in zip(local_shards, self._reference, strict=True):
-            local.copy_(ref)
+        for t, ref in zip(local, refs, strict=True):
+            _mix_(t, ref, alpha)
 
-    def _refuse_unsafe_average(self, contributions: list[torch.Tensor], what: str) -> None:
+    def complete(self, pending: PendingAverage) -> None:
+        """Waits for ``pending``'s all-reduces (and in ``leader`` mode broadcasts the result inside the group), so
+        that its buffers hold the average; applies nothing. Idempotent."""
+        if pending.complete:
+            return
+        for _, flat, work in pending.buckets:
+            if work is not None:
+                work.wait()
+            if self._leader_broadcast:
+                dist.broadcast(flat, group=self._replicate_group, group_src=0)
+                self._ledger.record("replicate", "broadcast", _nbytes(flat), dist.get_world_size(self._replicate_group))
+        pending.complete = True
+
+    def _refuse_unsafe_average(self, contributions: list[torch.Tensor], what: str, indices: list[int]) -> None:
         """Raises on every rank, before anything is sent or written back, when a contribution is not finite or so
         large that the sum across groups would overflow ``sync_dtype``: its average would poison every group.
 
@@ -136,6 +185,7 @@ class FedAverager:
         if not flag.item():
             return
         group, rank = dist.get_rank(self._fed_group), dist.get_rank()
+        names = [self.named_params[i][0] for i in indices]
         found = [
             f"federation group {group} (rank {rank}): the {what} {name!r} "
             + (
@@ -144,7 +194,7 @@ class FedAverager:
                 else f"holds values up to {peak.item():.3g}, too large to average over {num_groups} groups in"
                 f" {self._sync_dtype}"
             )
-            for (name, _), peak, bad in zip(self.named_params, peaks.cpu(), unsafe.cpu(), strict=True)
+            for name, peak, bad in zip(names, peaks.cpu(), unsafe.cpu(), strict=True)
             if bad
         ]
         reports: list[list[str]] = [[] for _ in range(dist.get_world_size())]
@@ -158,29 +208,24 @@ class FedAverager:
             + shown
         )
 
-    def _mean_across_groups_(self, tensors: list[torch.Tensor]) -> None:
-        for bucket in _buckets(tensors, BUCKET_BYTES // self._sync_dtype.itemsize):
-            flat = torch.cat([t.reshape(-1).to(self._sync_dtype) for t in bucket])
-            self._all_reduce_mean_(flat)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    def empty_buffer(self, indices: list[int]) -> torch.Tensor:
+        """A flat buffer in ``sync_dtype`` for the local shards of ``indices`` (to load a saved average into)."""
+        numel = sum(self.named_params[i][1].to_local().numel() for i in indices)
+        return torch.zeros(numel, dtype=self._sync_dtype, device=self.named_params[indices[0]][1].device)
 
-    def _all_reduce_mean_(self, flat: torch.Tensor) -> None:
-        nbytes = flat.numel() * flat.element_size()
-        is_leader = not self._leader_broadcast or dist.get_rank(self._replicate_group) == 0
-        if is_leader and self.compression is not None:
+    def _start_mean(self, flat: torch.Tensor, fragment: int) -> dist.Work | None:
+        """Starts averaging ``flat`` across groups in place (on the leader only in ``leader`` mode); the work to
+        wait for, or None when nothing is left in flight."""
+        if self._leader_broadcast and dist.get_rank(self._replicate_group) != 0:
+            return None
+        if self.compression is not None:
             sent_before = self.stats.wire_bytes
             self.compression.all_reduce(flat, self._codec, self._fed_group, self.stats)
             flat.div_(dist.get_world_size(self._fed_group))
-            self._ledger.record_sent("fed", self.stats.wire_bytes - sent_before)
-        elif is_leader:
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._fed_group)
-            self._ledger.record("fed", "all_reduce", nbytes, dist.get_world_size(self._fed_group))
-        if self._leader_broadcast:
-            dist.broadcast(flat, group=self._replicate_group, group_src=0)
-            self._ledger.record("replicate", "broadcast", nbytes, dist.get_world_size(self._replicate_group))
+            self._ledger.record_sent("fed", self.stats.wire_bytes - sent_before, fragment)
+            return None
+        self._ledger.record("fed", "all_reduce", _nbytes(flat), dist.get_world_size(self._fed_group), fragment)
+        return dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._fed_group, async_op=True)
 
     def state_dict(self) -> dict[str, dict[str, DTensor]]:
         """The global parameters of the last sync (and the outer optimizer's momentum), as DTensors sharded
@@ -189,10 +234,10 @@ class FedAverager:
             return {}
         state: dict[str, dict[str, DTensor]] = {"reference": {}}
         for (name, p), ref in zip(self.named_params, self._reference, strict=True):
-            state["reference"][name] = _like(p, ref)
+            state["reference"][name] = like_param(p, ref)
         if self._outer is not None:
             state["momentum"] = {
-                name: _like(p, self._outer.state[ref]["momentum_buffer"])
+                name: like_param(p, self._outer.state[ref]["momentum_buffer"])
                 for (name, p), ref in zip(self.named_params, self._reference, strict=True)
             }
         return state
@@ -207,20 +252,57 @@ class FedAverager:
                 self._outer.state[ref]["momentum_buffer"].copy_(state["momentum"][name].to_local())
 
 
-def _like(param: DTensor, local: torch.Tensor) -> DTensor:
+@dataclass
+class PendingAverage:
+    """One fragment's cross-group average on its way: flat buckets (positions into ``indices``, the buffer,
+    the backend's work or None), returned by :meth:`FedAverager.start` and applied by :meth:`FedAverager.finish`."""
+
+    fragment: int
+    indices: list[int]
+    buckets: list[tuple[list[int], torch.Tensor, dist.Work | None]] = field(default_factory=list)
+    complete: bool = False
+
+    def unflatten(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The averaged values, one view per tensor, shaped like ``like`` (one tensor per index, in order)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self.indices)
+        for bucket, flat, _ in self.buckets:
+            offset = 0
+            for j in bucket:
+                out[j] = flat[offset : offset + like[j].numel()].view_as(like[j])
+                offset += like[j].numel()
+        return out
+
+
+def _mix_(local: torch.Tensor, target: torch.Tensor, alpha: float) -> None:
+    """``local = alpha · local + (1 - alpha) · target``, exactly ``target`` for ``alpha = 0``."""
+    if alpha == 0:
+        local.copy_(target)
+    else:
+        local.copy_(torch.lerp(local.to(target.dtype), target, 1 - alpha))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def like_param(param: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` (shaped like ``param``'s local shard) as a DTensor sharded like ``param``."""
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
 
 
-def _buckets(tensors: list[torch.Tensor], max_numel: int) -> Iterator[list[torch.Tensor]]:
-    bucket: list[torch.Tensor] = []
+def _buckets(items: list, max_numel: int, tensors: list[torch.Tensor] | None = None) -> Iterator[list]:
+    """Consecutive runs of ``items`` of at most ``max_numel`` elements each (a larger tensor alone); the sizes are
+    those of ``tensors`` (the items themselves when not given)."""
+    sizes = [t.numel() for t in (items if tensors is None else tensors)]
+    bucket: list = []
     numel = 0
-    for t in tensors:
-        if bucket and numel + t.numel() > max_numel:
+    for item, size in zip(items, sizes, strict=True):
+        if bucket and numel + size > max_numel:
             yield bucket
             bucket, numel = [], 0
-        bucket.append(t)
-        numel += t.numel()
+        bucket.append(item)
+        numel += size
     if bucket:
         yield bucket

@@ -48,7 +48,7 @@ from lightning_fedshard.strategies.apply import (
     materialize,
     reshard_all,
 )
-from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
+from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager, PendingAverage, like_param
 from lightning_fedshard.strategies.dims import FedShardDims
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
@@ -62,6 +62,7 @@ from lightning_fedshard.strategies.group_checkpoint import (
     verify_group_files,
 )
 from lightning_fedshard.strategies.ledger import TIERS, CommLedger, install_fsdp_counters
+from lightning_fedshard.strategies.streaming import SYNC_SCHEDULES, FragmentSchedule, StreamingSync, partition_fragments
 
 __all__ = ["FLHSDPStrategy"]
 
@@ -89,6 +90,18 @@ class FLHSDPStrategy(ModelParallelStrategy):
         sync_dtype: dtype of the cross-group average (``"float32"`` averages bf16 shards in fp32).
         sync_mode: ``"all_replicas"`` (every replica joins the cross-group all-reduce, as in the paper) or
             ``"leader"`` (replica 0 all-reduces across groups, then broadcasts inside its group).
+        sync_schedule: ``"blocking"`` (every ``sync_every`` steps the whole model is averaged while training waits)
+            or ``"streaming"`` (streaming DiLoCo, :mod:`~lightning_fedshard.strategies.streaming`: the model in
+            ``fragments`` whose averages are sent in turn, one every ``sync_every / fragments`` steps, and applied
+            ``fragment_sync_delay`` steps after they were sent, so the traffic overlaps those steps' compute).
+        fragments: Fragments of the model under streaming sync: runs of consecutive FSDP units balanced by size;
+            ``sync_every`` must be divisible by it.
+        fragment_sync_delay: τ, optimizer steps between sending a fragment's average and applying it, in
+            ``[0, sync_every // fragments)``. With DynamiQ on the cross-group traffic the compressed ring runs in
+            the training thread when sent, so it is staggered but does not overlap compute.
+        fragment_update_alpha: Weight in [0, 1] of the local shards when a fragment's average is applied
+            (``alpha · local + (1 - alpha) · global``); 0 adopts the global copy. Streaming with one fragment,
+            τ = 0 and alpha = 0 is the blocking sync exactly.
         auto_wrap: Module classes (or their import paths) to shard one FSDP unit per instance when the
             LightningModule's ``configure_model`` does not call ``fully_shard`` itself.
         activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
@@ -130,6 +143,10 @@ class FLHSDPStrategy(ModelParallelStrategy):
         outer_momentum: float = 0.9,
         sync_dtype: str | torch.dtype = "float32",
         sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
+        sync_schedule: Literal["blocking", "streaming"] = "blocking",
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
         auto_wrap: Sequence[str | type[nn.Module]] | None = None,
         activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
@@ -156,6 +173,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: `outer_momentum` must be a number in [0, 1), got {outer_momentum!r}.")
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"{name}: unknown `sync_mode={sync_mode!r}`; choose one of {SYNC_MODES}.")
+        self._schedule = _fragment_schedule(
+            sync_schedule, sync_every, fragments, fragment_sync_delay, fragment_update_alpha, name
+        )
         for arg, value in (("num_groups", num_groups), ("shard_size", shard_size)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}: `{arg}` must be a positive integer or None, got {value!r}.")
@@ -178,6 +198,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self._dims: FedShardDims | None = None
         self._group_pg: dist.ProcessGroup | None = None
         self._averager: FedAverager | None = None
+        self._streaming: StreamingSync | None = None
         self.ledger = CommLedger()
         self.optimizer_steps = 0
         self.syncs = 0
@@ -327,8 +348,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            named_params = list(self.model.named_parameters())
+            fragments = None
+            if self._schedule is not None:
+                fragments = partition_fragments(self.model, named_params, self._schedule.fragments)
             self._averager = FedAverager(
-                self.model.named_parameters(),
+                named_params,
                 fed_group=self.fed_group,
                 replicate_group=self.device_mesh.get_group("replicate"),
                 ledger=self.ledger,
@@ -338,7 +363,15 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 sync_dtype=self._sync_dtype,
                 sync_mode=self.sync_mode,
                 compression=self._compression("fed"),
+                fragments=fragments,
             )
+            if self._schedule is not None:
+                self._streaming = StreamingSync(self._averager, self._schedule)
+                if self._compression("fed") is not None and self._schedule.delay:
+                    rank_zero_warn(
+                        f"{type(self).__name__}: DynamiQ's compressed ring runs in the training thread, so each"
+                        " fragment's average is computed when it is sent: staggered, but not overlapping compute."
+                    )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -376,10 +409,21 @@ class FLHSDPStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.optimizer_steps += 1
-        if self.optimizer_steps % self.sync_every == 0:
+        if self._schedule is not None:
+            self.stream_sync()
+        elif self.optimizer_steps % self.sync_every == 0:
             self.fed_sync()
         self._log_communication()
         return output
+
+    def stream_sync(self) -> None:
+        """Streaming sync after an optimizer step: sends the fragment average due now, applies the one due now."""
+        if not self.dims.fed_enabled or self._streaming is None or not self._streaming.due(self.optimizer_steps):
+            return
+        reshard_all(self.model)
+        if self._streaming.step(self.optimizer_steps) == self._schedule.fragments - 1:
+            self.syncs += 1  # a round: every fragment averaged once
+            self._steps_at_last_sync = self.optimizer_steps
 
     def fed_sync(self) -> None:
         """One cross-group round: reshard every FSDP unit, then average the local shards across groups."""
@@ -393,7 +437,12 @@ class FLHSDPStrategy(ModelParallelStrategy):
     @override
     def on_train_end(self) -> None:
         # The fitted model is the federation's consensus, even when the run stops between syncs.
-        if self.optimizer_steps > self._steps_at_last_sync:
+        if self._streaming is not None and self.dims.fed_enabled:
+            reshard_all(self.model)
+            if self._streaming.close(self.optimizer_steps):
+                self.syncs += 1
+                self._steps_at_last_sync = self.optimizer_steps
+        elif self.optimizer_steps > self._steps_at_last_sync:
             self.fed_sync()
         reshard_all(self.model)  # a last validation may have left root units gathered: hand back shards
         super().on_train_end()
@@ -402,6 +451,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         step_bytes = self.ledger.close_step()
         metrics = {f"comm/{tier}_bytes": step_bytes[tier] for tier in TIERS}
         metrics["fed/syncs"] = float(self.syncs)
+        if self._streaming is not None:
+            for fragment in range(self._streaming.schedule.fragments):
+                metrics[f"comm/fed_fragment{fragment}_bytes"] = self.ledger.last_fragment_step.get(fragment, 0.0)
         if self._averager is not None:
             metrics.update(self._averager.stats.take_metrics("dynamiq/fed"))
         assert self.lightning_module is not None
@@ -446,6 +498,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self._averager is not None:
             state["outer"] = self._averager.state_dict()
+        if (pending := self._pending_average()) is not None:
+            self._averager.complete(pending)  # what the groups averaged is saved; it is applied when due
+            state["in_flight"] = self._in_flight_state(pending)
         files, failure = _attempt(self._save_group_share, staging, state)
         shares: list[Any] = [None] * self.world_size
         dist.all_gather_object(shares, (files, _message(failure)))
@@ -476,7 +531,18 @@ class FLHSDPStrategy(ModelParallelStrategy):
             "optimizer_steps": self.optimizer_steps,
             "steps_at_last_sync": self._steps_at_last_sync,
             "syncs": self.syncs,
+            "in_flight_fragment": None if (pending := self._pending_average()) is None else pending.fragment,
         }
+
+    def _pending_average(self) -> PendingAverage | None:
+        return None if self._streaming is None else self._streaming.pending
+
+    def _in_flight_state(self, pending: PendingAverage) -> dict[str, Any]:
+        """The in-flight fragment's average, one DTensor per parameter, sharded like it."""
+        assert self._averager is not None
+        params = [self._averager.named_params[i] for i in pending.indices]
+        averaged = pending.unflatten([p.to_local() for _, p in params])
+        return {name: like_param(p, avg) for (name, p), avg in zip(params, averaged, strict=True)}
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -496,6 +562,18 @@ class FLHSDPStrategy(ModelParallelStrategy):
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
         if self._averager is not None:
             state["outer"] = self._averager.state_dict()
+        in_flight = saved.get("in_flight_fragment")
+        if in_flight is not None:
+            if self._streaming is None:
+                raise ValueError(
+                    f"The checkpoint {str(path)!r} was saved under streaming sync with fragment {in_flight}'s average"
+                    " in flight; resume it with the same sync_schedule='streaming' settings."
+                )
+            template = PendingAverage(in_flight, self._averager.fragments[in_flight])
+            template.buckets.append(
+                (list(range(len(template.indices))), self._averager.empty_buffer(template.indices), None)
+            )
+            state["in_flight"] = self._in_flight_state(template)
         self._agree(load_group_state, path, self.group_index, state, self._group_pg)
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
@@ -505,6 +583,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.optimizer_steps = saved["optimizer_steps"]
         self._steps_at_last_sync = saved["steps_at_last_sync"]
         self.syncs = saved["syncs"]
+        if in_flight is not None:
+            assert self._streaming is not None
+            params = [self._averager.named_params[i] for i in template.indices]
+            for (name, p), view in zip(params, template.unflatten([p.to_local() for _, p in params]), strict=True):
+                view.copy_(state["in_flight"][name].to_local())
+            template.complete = True
+            self._streaming.pending = template
         return meta
 
     def _group_share(self) -> tuple[int, int]:
@@ -568,6 +653,23 @@ def _message(error: Exception | None) -> str | None:
     if error is None:
         return None
     return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+
+
+def _fragment_schedule(
+    sync_schedule: str, sync_every: int, fragments: int, delay: int, alpha: float, owner: str
+) -> FragmentSchedule | None:
+    """The streaming schedule, or None for blocking sync (which takes no fragment settings)."""
+    if sync_schedule not in SYNC_SCHEDULES:
+        raise ValueError(f"{owner}: unknown `sync_schedule={sync_schedule!r}`; choose one of {SYNC_SCHEDULES}.")
+    if sync_schedule == "blocking":
+        if (fragments, delay, alpha) != (1, 0, 0):
+            raise ValueError(
+                f"{owner}: `fragments`, `fragment_sync_delay` and `fragment_update_alpha` apply to"
+                f" sync_schedule='streaming'; got fragments={fragments!r}, fragment_sync_delay={delay!r},"
+                f" fragment_update_alpha={alpha!r} with sync_schedule='blocking'."
+            )
+        return None
+    return FragmentSchedule.create(sync_every=sync_every, fragments=fragments, delay=delay, alpha=alpha, owner=owner)
 
 
 #: dtypes the cross-group all-reduce averages in; narrower floats (float8) have no reduction in the backends.

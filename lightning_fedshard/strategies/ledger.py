@@ -43,30 +43,39 @@ class CommLedger:
 
     def __init__(self) -> None:
         self._step: dict[str, float] = defaultdict(float)
+        self._fragment_step: dict[int, float] = defaultdict(float)
         self.totals: dict[str, float] = dict.fromkeys(TIERS, 0.0)
+        self.fragment_totals: dict[int, float] = defaultdict(float)
+        """Fed bytes per model fragment (streaming sync; blocking sync averages one fragment, 0), in total."""
+        self.last_fragment_step: dict[int, float] = {}
+        """Fed bytes per fragment of the step :meth:`close_step` closed last."""
         self.steps = 0
         self.paused = False
 
-    def record(self, tier: str, collective: str, nbytes: int, group_size: int) -> None:
+    def record(self, tier: str, collective: str, nbytes: int, group_size: int, fragment: int | None = None) -> None:
+        """Counts one call's ring bytes; ``fragment`` names the model fragment a fed call averages."""
+        self.record_sent(tier, ring_bytes(collective, nbytes, group_size), fragment)
+
+    def record_sent(self, tier: str, nbytes: float, fragment: int | None = None) -> None:
+        """Adds bytes this rank actually sent, for collectives that count their own (compressed) traffic."""
         if tier not in TIERS:
             raise ValueError(f"Unknown communication tier {tier!r}; expected one of {TIERS}.")
         if self.paused:
             return
-        self._step[tier] += ring_bytes(collective, nbytes, group_size)
-
-    def record_sent(self, tier: str, nbytes: float) -> None:
-        """Adds bytes this rank actually sent, for collectives that count their own (compressed) traffic."""
-        if tier not in TIERS:
-            raise ValueError(f"Unknown communication tier {tier!r}; expected one of {TIERS}.")
-        if not self.paused:
-            self._step[tier] += nbytes
+        self._step[tier] += nbytes
+        if fragment is not None:
+            self._fragment_step[fragment] += nbytes
 
     def close_step(self) -> dict[str, float]:
         """Ends the current optimizer step and returns its bytes per tier."""
         step = {tier: self._step.get(tier, 0.0) for tier in TIERS}
         for tier, value in step.items():
             self.totals[tier] += value
+        for fragment, value in self._fragment_step.items():
+            self.fragment_totals[fragment] += value
+        self.last_fragment_step = dict(self._fragment_step)
         self._step.clear()
+        self._fragment_step.clear()
         self.steps += 1
         return step
 

@@ -124,6 +124,29 @@ def test_step_time_adds_latency_and_bandwidth_terms_and_hides_inner_traffic_with
     assert hidden.total == pytest.approx(max(t.compute, t.comm["shard"] + t.comm["replicate"]))
 
 
+def test_streaming_hides_each_fragments_average_behind_the_delay_steps_compute():
+    # 2 groups of one rank on 2 nodes; compute 1 s per step; the round all-reduces 4 MB (2·4Ψ·(F-1)/F over 2 groups)
+    cluster = dataclasses.replace(
+        LEONARDO, devices_per_node=1, peak_flops=1.0, mfu=1.0, inter_node_bandwidth=4e6, inter_node_latency=0.0,
+        call_latency=0.0, overlap=False,
+    )  # fmt: skip
+    blocking = dataclasses.replace(ideal(FedShardDims(2, 1, 1), sync_every=4), tokens_per_step=1, flops_per_token=1.0)
+    halves = dataclasses.replace(blocking, fragment_shares=(0.5, 0.5), fragment_sync_delay=1)
+    assert step_time(blocking, cluster).total == pytest.approx(1 + 1 / 4)  # the 1 s round waits, once per 4 steps
+    # two 0.5 s fragment averages, each in flight during one 1 s step: all hidden, the same bytes
+    streamed = step_time(halves, cluster)
+    assert (streamed.total, streamed.fed_hidden, streamed.comm["fed"]) == pytest.approx((1.0, 1 / 4, 1 / 4))
+    assert mean_step_bytes(halves) == mean_step_bytes(blocking)
+    # no delay hides nothing; a 4× slower link leaves 2 s - 1 s per fragment waiting
+    assert step_time(dataclasses.replace(halves, fragment_sync_delay=0), cluster).total == pytest.approx(1.25)
+    slow = dataclasses.replace(cluster, inter_node_bandwidth=1e6)
+    assert step_time(halves, slow).total == pytest.approx(1 + 2 * (2 - 1) / 4)
+    assert step_time(blocking, slow).total == pytest.approx(1 + 4 / 4)
+    # DynamiQ's ring runs in the training thread: staggered, not hidden
+    compressed = dataclasses.replace(halves, fed_compression=Compression(bits=5.0))
+    assert step_time(compressed, cluster).fed_hidden == 0
+
+
 def test_dynamiq_round_stays_within_its_bit_budget_and_falls_back_for_small_buckets():
     compression = Compression(bits=5.0)
     exact_ring = 2 * PSI * 3 / 4  # coordinates one rank sends in an exact ring all-reduce over 4

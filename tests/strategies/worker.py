@@ -115,6 +115,16 @@ def recording(strategy_cls: type, cfg: dict) -> type:
                 raise
             self.records.append({"step": self.optimizer_steps, "pre": pre, "post": full_params(self.model)})
 
+        def stream_sync(self) -> None:
+            step, schedule = self.optimizer_steps, self._schedule
+            if self._streaming is None or not self._streaming.due(step):
+                return super().stream_sync()
+            pre = full_params(self.model)
+            super().stream_sync()
+            started, finished = schedule.starting(step), schedule.finishing(step)
+            record = {"step": step, "pre": pre, "post": full_params(self.model), "started": started}
+            self.records.append({**record, "finished": finished})
+
     return Recording
 
 
@@ -198,6 +208,7 @@ def main(config_path: str) -> None:
         trainer.save_checkpoint(cfg["save_to"])
     out = Path(cfg["out"])
     mesh = trainer.strategy.device_mesh
+    names = [name for name, _ in trainer.strategy.model.named_parameters()]
     torch.save(
         {
             "losses": module.losses,
@@ -216,6 +227,8 @@ def main(config_path: str) -> None:
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "optimizer_steps": trainer.strategy.optimizer_steps,
             "syncs_count": trainer.strategy.syncs,
+            "fragments": [[names[i] for i in f] for f in strategy._averager.fragments] if strategy._averager else None,
+            "fragment_bytes": dict(trainer.strategy.ledger.fragment_totals),
         },
         out / f"rank{trainer.global_rank}.pt",
     )
