@@ -11,6 +11,7 @@ BENCHMARKS = {
     "verify-memory": "lightning_fedshard.bench.verify_memory",
     "costmodel": "lightning_fedshard.bench.costmodel",
     "multitier": "lightning_fedshard.bench.multitier",
+    "faults": "lightning_fedshard.bench.faults",
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
+from lightning_fedshard.strategies.fault_tolerance import FaultTolerance
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
 
 __all__ = ["FLFSDPStrategy"]
@@ -43,6 +44,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
         activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__(
             num_groups=num_groups,
@@ -57,4 +59,5 @@ class FLFSDPStrategy(FLHSDPStrategy):
             activation_checkpointing=activation_checkpointing,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            fault_tolerance=fault_tolerance,
         )

@@ -48,6 +48,7 @@ from lightning_fedshard.strategies.apply import (
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager
 from lightning_fedshard.strategies.dims import FedShardDims
+from lightning_fedshard.strategies.fault_tolerance import FaultTolerance, FederationMember
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     FILES_KEY,
@@ -96,6 +97,10 @@ class FLHSDPStrategy(ModelParallelStrategy):
             ``shard`` and the per-group checkpoint groups) waits for the other ranks before it fails. A rank that
             fails takes the others on its machine with it (a stopped one too), so every rank exits non-zero; a
             SIGTERM stop exits with status 143 (:class:`~lightning_fedshard.distributed.JobEnd`).
+        fault_tolerance: Off by default. A :class:`~lightning_fedshard.strategies.fault_tolerance.FaultTolerance`
+            makes this job one federation group (``num_groups`` 1 or ``None``) that averages with the other groups'
+            jobs through torchft: a group that dies is left out, one that restarts heals from a live peer
+            (docs/fault_tolerance.md).
 
     With ``precision="bf16-mixed"`` the FSDP2 units gather parameters in bf16 and reduce gradients in fp32
     (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay in fp32. A model built on the
@@ -128,6 +133,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: Sequence[str | type[nn.Module]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         name = type(self).__name__
         super().__init__(
@@ -154,6 +160,15 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}: `{arg}` must be a positive integer or None, got {value!r}.")
         if replicate_size is not None:
             self._check_replicate_size(replicate_size)
+        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+            raise TypeError(f"{name}: `fault_tolerance` must be a FaultTolerance or None, got {fault_tolerance!r}.")
+        if fault_tolerance is not None and num_groups not in (None, 1):
+            raise ValueError(
+                f"{name}: with `fault_tolerance` each federation group is a job of its own, so `num_groups` (groups"
+                f" inside this job's world) must be 1 or None, got {num_groups!r}; start one job per group."
+            )
+        self.fault_tolerance = fault_tolerance
+        self._member: FederationMember | None = None
         self._num_groups = num_groups
         self._shard_size = shard_size
         self._replicate_size = replicate_size
@@ -220,7 +235,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 num_groups=self._num_groups,
                 replicate_size=self._replicate_size,
                 shard_size=self._shard_size,
-                min_groups=2,
+                min_groups=1 if self.fault_tolerance else 2,
                 min_replicas=self._min_replicate_size,
             )
         except ValueError as error:
@@ -243,6 +258,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         # Lightning calls this once devices and nodes are known and before any process starts: the
         # earliest point at which a mesh that cannot fit the world can be rejected.
         self._dims = self._resolve_dims()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance = self.fault_tolerance.resolve()  # a missing address fails before any process starts
         if None in (self._num_groups, self._replicate_size, self._shard_size):
             rank_zero_info(
                 f"{type(self).__name__}: {self._dims.describe()} over {self.num_nodes} node(s) × {self.num_processes}"
@@ -311,6 +328,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.fault_tolerance is not None and self._member is None:
+                self._member = self._join_federation()
             self._averager = FedAverager(
                 self.model.named_parameters(),
                 fed_group=self.fed_group,
@@ -322,10 +341,30 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 sync_dtype=self._sync_dtype,
                 sync_mode=self.sync_mode,
                 compression=self._compression("fed"),
+                transport=self._member.transport if self._member else None,
             )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _join_federation(self) -> FederationMember:
+        """This rank's torchft Manager; the first round (:meth:`on_train_start`) heals the group from the others."""
+        assert self.model is not None and self.fault_tolerance is not None
+        return FederationMember(
+            self.fault_tolerance.resolve(),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            params=list(self.model.named_parameters()),
+            outer_state=lambda: self._averager.state_dict() if self._averager else {},
+            load_outer_state=lambda state: self._averager.load_state_dict(state) if self._averager else None,
+            counters=lambda: {key: getattr(self, key) for key in _ROUND_COUNTERS},
+            load_counters=self._load_round_counters,
+            backend=self._process_group_backend or "gloo",
+        )
+
+    def _load_round_counters(self, counters: dict[str, int]) -> None:
+        for key in _ROUND_COUNTERS:
+            setattr(self, key, counters[key])
 
     def _compression(self, traffic: str) -> Compression | None:
         """The ``DynamiQ`` plugin's settings when it asks for ``traffic`` to be compressed."""
@@ -354,12 +393,21 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     def fed_sync(self) -> None:
         """One cross-group round: reshard every FSDP unit, then average the local shards across groups."""
-        if not self.dims.fed_enabled or self._averager is None:
+        if not (self.dims.fed_enabled or self._member) or self._averager is None:
             return
         reshard_all(self.model)
-        self._averager.sync()
+        if self._member is None:
+            self._averager.sync()
+        elif not self._member.run_round(self._averager.sync):
+            return
         self.syncs += 1
         self._steps_at_last_sync = self.optimizer_steps
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._member is not None:
+            self.fed_sync()  # join: a group that starts late or restarts takes the federation's current state
 
     @override
     def on_train_end(self) -> None:
@@ -373,6 +421,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         step_bytes = self.ledger.close_step()
         metrics = {f"comm/{tier}_bytes": step_bytes[tier] for tier in TIERS}
         metrics["fed/syncs"] = float(self.syncs)
+        if self._member is not None:
+            metrics["fed/groups"] = float(self._member.last_participants)
         if self._averager is not None:
             metrics.update(self._averager.stats.take_metrics("dynamiq/fed"))
         assert self.lightning_module is not None
@@ -447,6 +497,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
             "optimizer_steps": self.optimizer_steps,
             "steps_at_last_sync": self._steps_at_last_sync,
             "syncs": self.syncs,
+            "torchft": self._member.state_dict() if self._member else None,
         }
 
     @override
@@ -476,6 +527,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.optimizer_steps = saved["optimizer_steps"]
         self._steps_at_last_sync = saved["steps_at_last_sync"]
         self.syncs = saved["syncs"]
+        if self._member is not None and saved.get("torchft"):
+            self._member.load_state_dict(saved["torchft"])
         return meta
 
     def _group_share(self) -> tuple[int, int]:
@@ -523,9 +576,16 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._member is not None:
+            self._member.shutdown()
+            self._member = None
         super().teardown()
         if self._process_group_backend == "gloo" and not self.job_end.failed:
             destroy_process_group_at_exit()
+
+
+#: The strategy's counters a healing group takes from its peer, so that it syncs at the same steps.
+_ROUND_COUNTERS = ("optimizer_steps", "syncs", "_steps_at_last_sync")
 
 
 def _attempt(action: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
