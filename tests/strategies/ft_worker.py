@@ -5,8 +5,9 @@ ranks). Each rank writes, atomically:
 
 * ``<out>/g<G>_r<r>.progress``: its optimizer steps and pid after every step;
 * ``<out>/g<G>_r<r>_start<pid>.pt``: its local shards before its first (joining) round;
-* ``<out>/g<G>_r<r>_round<n>_<pid>.pt``: every round it ran: torchft's round number, the groups in it, its
-  contribution (local shards, global copies and outer momentum after any healing) and its shards after the round.
+* ``<out>/g<G>_r<r>_round<n>_groups<k>_<committed|dropped>_<pid>.pt``: every round it ran (torchft's round
+  number, the groups in it, whether it was applied): its contribution (local shards, global copies and outer
+  momentum after any healing) and its shards after the round.
 
 It stops once its optimizer steps reach ``at_step`` of ``<out>/stop.json``.
 """
@@ -68,7 +69,10 @@ class Recording(FLFSDPStrategy):
                 record["post"] = local_state(self)
 
             record["committed"] = run_round(recorded_average)
-            name = f"g{self.group}_r{self.global_rank}_round{record['round']}_{os.getpid()}.pt"
+            name = (
+                f"g{self.group}_r{self.global_rank}_round{record['round']}_groups{record['groups']}"
+                f"_{'committed' if record['committed'] else 'dropped'}_{os.getpid()}.pt"
+            )
             _save(record, self.out / name)
             return record["committed"]
 

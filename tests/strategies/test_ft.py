@@ -42,7 +42,7 @@ class Group:
     launches: list[subprocess.Popen] = field(default_factory=list)
     _records: dict[Path, dict] = field(default_factory=dict)
 
-    def start(self) -> None:
+    def start(self, **settings) -> None:
         config = self.out / f"g{self.index}_config.json"
         config.write_text(
             json.dumps(
@@ -56,6 +56,7 @@ class Group:
                     "timeout_s": 120,
                     "ft_timeout_s": 10,
                     "quorum_timeout_s": 120,
+                    **settings,
                 }
             )
         )
@@ -81,18 +82,20 @@ class Group:
         path = self.out / f"g{self.index}_r{rank}.progress"
         return json.loads(path.read_text()) if path.exists() else {"optimizer_steps": -1, "pid": None}
 
-    def rounds(self, rank: int = 0, pids: set[int] | None = None) -> dict[int, dict]:
-        """Committed rounds of this rank by torchft round number (of the launches with ``pids``, if given)."""
+    def rounds(self, rank: int = 0, pids: set[int] | None = None, groups: int | None = None) -> dict[int, Path]:
+        """This rank's committed rounds by torchft round number (of the launches with ``pids`` and with ``groups``
+        groups, if given), read from the record names."""
         found = {}
-        for path in self.out.glob(f"g{self.index}_r{rank}_round*_*.pt"):
-            pid = int(path.stem.rsplit("_", 1)[1])
-            if pids is None or pid in pids:
-                if path not in self._records:
-                    self._records[path] = torch.load(path, weights_only=True)
-                record = self._records[path]
-                if record["committed"]:
-                    found[record["round"]] = {**record, "pid": pid}
+        for path in self.out.glob(f"g{self.index}_r{rank}_round*_committed_*.pt"):
+            _, _, round_, in_round, _, pid = path.stem.split("_")
+            if (pids is None or int(pid) in pids) and groups in (None, int(in_round.removeprefix("groups"))):
+                found[int(round_.removeprefix("round"))] = path
         return found
+
+    def record(self, path: Path) -> dict:
+        if path not in self._records:
+            self._records[path] = torch.load(path, weights_only=True)
+        return self._records[path]
 
     def kill_all(self) -> None:
         for launch in self.launches:
@@ -125,7 +128,7 @@ def story(tmp_path_factory):
     events: dict = {"outages": [], "g1_launch_pids": []}
     try:
         g0.start()
-        wait_for(lambda: sum(r["groups"] == 1 for r in g0.rounds().values()) >= 2, "group 0 trains alone", [g0])
+        wait_for(lambda: len(g0.rounds(groups=1)) >= 2, "group 0 trains alone", [g0])
         for launch in range(CYCLES + 1):
             if launch:  # an outage: kill one rank of group 1 between its syncs, watch group 0 go on
                 victim = g1.progress(1)["pid"]
@@ -135,7 +138,7 @@ def story(tmp_path_factory):
                 g1.launcher.wait(timeout=WAIT_S)
                 wait_for(lambda: RunProcess.of(victim).state() in (None, "Z"), "the killed rank is gone", [g0])
                 wait_for(
-                    lambda: sum(r["groups"] == 1 for n, r in g0.rounds().items() if n > before) >= 2,
+                    lambda: sum(n > before for n in g0.rounds(groups=1)) >= 2,
                     "group 0 trains on alone",
                     [g0],
                 )
@@ -184,9 +187,11 @@ def test_after_each_rejoin_both_groups_hold_the_reference_average(story):
     g0, g1, events = story
     joint_rounds = 0
     for rank in range(2):
-        ours, theirs = g0.rounds(rank), g1.rounds(rank)
+        ours, theirs = g0.rounds(rank, groups=2), g1.rounds(rank, groups=2)
+        # a round is applied by every group in it or by none, except one a kill cut between the two groups' votes
+        assert len(ours.keys() ^ theirs.keys()) <= CYCLES, sorted(ours.keys() ^ theirs.keys())
         for n in sorted(ours.keys() & theirs.keys()):
-            a, b = ours[n], theirs[n]
+            a, b = g0.record(ours[n]), g1.record(theirs[n])
             assert a["groups"] == b["groups"] == 2, n
             assert a["optimizer_steps"] == b["optimizer_steps"], n  # the healed group syncs at the same steps
             for part in ("reference", "momentum"):  # the global state the round starts from is the federation's
@@ -211,11 +216,29 @@ def test_a_joining_group_starts_from_the_federations_state(story):
         joined = g1.rounds(0, {pid})
         first = min(joined)
         own_start = torch.load(g1.out / f"g1_r0_start{pid}.pt", weights_only=True)
-        theirs = g0.rounds(0)[first]
-        mine = joined[first]
+        theirs = g0.record(g0.rounds(0)[first])
+        mine = g1.record(joined[first])
         assert first > 0  # it joined a federation already under way, at its current round
         for name, start in own_start.items():
             # healed before contributing: what it averages is the federation's state, not its own initialisation
             assert not torch.equal(start, mine["pre"]["local"][name]), name
             assert torch.equal(mine["pre"]["local"][name], theirs["pre"]["local"][name]), name
             assert torch.equal(mine["post"]["local"][name], theirs["post"]["local"][name]), name
+
+
+def test_below_min_groups_a_group_waits_with_a_log_line_then_gives_up_at_its_quorum_timeout(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50)
+    alone = Group(0, tmp_path, lighthouse.address())
+    try:
+        alone.start(devices=1, min_groups=2, quorum_timeout_s=4)
+        alone.launcher.wait(timeout=WAIT_S)
+    finally:
+        alone.kill_all()
+        lighthouse.shutdown()
+    log = alone.log()
+    assert alone.launcher.returncode != 0, log[-4000:]
+    assert "federation group 0: waiting for at least min_groups=2 federation groups, 1 present" in log, log[-4000:]
+    assert "TimeoutError: federation group 0: only 1 of the min_groups=2 federation groups joined within" in log
+    assert alone.progress(0)["optimizer_steps"] == -1  # it never trained alone
