@@ -195,8 +195,9 @@ def _rate(steps: list[dict]) -> float:
 def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, overrides: list[str]) -> FaultRun:
     federation = Federation(out / name, steps, overrides)
     try:
-        for group in (0, 1):
-            federation.start(group)
+        federation.start(0)  # group 0 first, so that its own steps are the federation's (and so its validations)
+        federation.wait_for(lambda: federation.records(0, "step"), "group 0 trains")
+        federation.start(1)
         restart_t = kill_t = math.nan
         if kill_at is not None:
             federation.wait_for(
@@ -214,6 +215,12 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
             federation.wait_for(
                 lambda: any(r["pid"] == job.pid for r in federation.records(1, "step")), "group 1 rejoins"
             )
+            first = next(r for r in federation.records(1, "step") if r["pid"] == job.pid)
+            if first["groups"] < 2:
+                raise RuntimeError(
+                    f"group 0 finished its {steps} steps before the restarted group 1 joined it (its first round had"
+                    f" {first['groups']} group): run longer (--steps) or kill earlier (--kill-at)."
+                )
         federation.finish()
     finally:
         federation.close()
@@ -254,14 +261,14 @@ def format_table(runs: list[FaultRun]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fedshard bench faults", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="48 steps, kill at 16, 10 s down")
+    parser.add_argument("--quick", action="store_true", help="96 steps, kill at 8, restarted at once")
     parser.add_argument("--steps", type=int, default=160, help="federation steps of each run (a multiple of 16)")
-    parser.add_argument("--kill-at", type=int, default=48, help="group 1's step at which one of its ranks is killed")
-    parser.add_argument("--down-s", type=float, default=20.0, help="seconds group 1 stays down")
+    parser.add_argument("--kill-at", type=int, default=16, help="group 1's step at which one of its ranks is killed")
+    parser.add_argument("--down-s", type=float, default=10.0, help="seconds group 1 stays down")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-faults"))
     args, overrides = parser.parse_known_args(argv)
     if args.quick:
-        args.steps, args.kill_at, args.down_s = 48, 16, 10.0
+        args.steps, args.kill_at, args.down_s = 96, 8, 0.0
     if not RECIPE.is_file():
         sys.exit(f"No recipe at {RECIPE} (run from the repository root).")
     runs = [
