@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 __all__ = ["FaultProbe", "FaultRun", "format_table", "main"]
 
 RECIPE = Path("recipes/tiny/fl_fsdp.yaml")
-PROBE_ENV, STOP_ENV = "FEDSHARD_FAULTS_PROBE", "FEDSHARD_FAULTS_STOP_AT"
+PROBE_ENV, STOP_ENV, HOLD_ENV = "FEDSHARD_FAULTS_PROBE", "FEDSHARD_FAULTS_STOP_AT", "FEDSHARD_FAULTS_HOLD"
 HEARTBEAT_TIMEOUT_MS = 2000
 WAIT_S = 900
 
@@ -41,11 +41,14 @@ class FaultProbe(pl.Callback):
     """Appends one JSON line per event to the file named by ``$FEDSHARD_FAULTS_PROBE`` (rank 0 of a group only):
     ``start`` (after the joining round), ``step`` (wall time, the strategy's optimizer steps, tokens of the group,
     groups in the last round), ``val``; stops the fit once the optimizer steps reach ``$FEDSHARD_FAULTS_STOP_AT``.
+    ``joining`` comes before the joining round. While the file ``$FEDSHARD_FAULTS_HOLD`` exists, the group holds
+    (``hold`` / ``resume``) 16 steps before its end, so that it does not finish before a restarted peer is back.
     """
 
     def __init__(self) -> None:
         self.path = Path(os.environ[PROBE_ENV])
         self.stop_at = int(os.environ[STOP_ENV])
+        self.hold = Path(os.environ[HOLD_ENV]) if os.environ.get(HOLD_ENV) else None
 
     def _write(self, trainer: pl.Trainer, event: str, **fields: float) -> None:
         if trainer.global_rank == 0:
@@ -62,9 +65,24 @@ class FaultProbe(pl.Callback):
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def on_train_start(self, trainer, pl_module) -> None:  # callbacks run before the strategy's joining round
+        self._write(trainer, "joining")
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 0:
             self._write(trainer, "start")
+            self._hold_while(trainer, self.hold and self.hold.with_name("hold_start"))  # until the peer starts
+        if trainer.strategy.optimizer_steps >= self.stop_at - 16:
+            self._hold_while(trainer, self.hold)
+
+    def _hold_while(self, trainer: pl.Trainer, path: Path | None) -> None:
+        if path is None or not path.exists():
+            return
+        self._write(trainer, "hold")
+        deadline = time.monotonic() + WAIT_S
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._write(trainer, "resume")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._write(trainer, "step", tokens=float(batch[0].numel() * trainer.world_size))
@@ -81,9 +99,9 @@ class FaultRun:
     name: str
     steps: int
     tokens_per_s_both_up: float
-    """Group 0 with both groups training (uninterrupted run), from its second step on."""
+    """Group 0 with both groups in its rounds (before any kill), its longest stretch of consecutive steps."""
     tokens_per_s_alone: float
-    """Group 0 from the kill until group 1's first step after rejoining (fault run); NaN without a fault."""
+    """Group 0 from the kill until group 1's first step after rejoining (or group 0's hold before its end)."""
     restart_to_rejoined_s: float
     """From starting group 1's new job to its first step after the joining round; NaN without a fault."""
     rounds_alone: int
@@ -118,8 +136,9 @@ class Federation:
         records = [json.loads(line) for line in lines if line.strip()]
         return [r for r in records if event is None or r["event"] == event]
 
-    def start(self, group: int) -> subprocess.Popen:
+    def start(self, group: int, hold: bool = False) -> subprocess.Popen:
         env = {
+            **({HOLD_ENV: str(self.out / "hold")} if hold else {}),
             **os.environ,
             "TORCHFT_LIGHTHOUSE": self.lighthouse.address(),
             "REPLICA_GROUP_ID": str(group),
@@ -185,6 +204,17 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _runs(steps: list[dict]) -> list[list[dict]]:
+    """``steps`` split where the optimizer steps are not consecutive."""
+    runs: list[list[dict]] = []
+    for r in steps:
+        if runs and r["steps"] == runs[-1][-1]["steps"] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
 def _rate(steps: list[dict]) -> float:
     """Tokens per second over consecutive step records (the first one only starts the clock)."""
     if len(steps) < 2:
@@ -195,9 +225,14 @@ def _rate(steps: list[dict]) -> float:
 def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, overrides: list[str]) -> FaultRun:
     federation = Federation(out / name, steps, overrides)
     try:
-        federation.start(0)  # group 0 first, so that its own steps are the federation's (and so its validations)
-        federation.wait_for(lambda: federation.records(0, "step"), "group 0 trains")
+        if kill_at is not None:
+            (federation.out / "hold").touch()  # group 0 may not finish before group 1 is back
+        (federation.out / "hold_start").touch()  # nor train alone while group 1's interpreters start
+        federation.start(0, hold=True)  # group 0 first, so that its own steps are the federation's (and its validations)
+        federation.wait_for(lambda: federation.records(0, "start"), "group 0 starts")
         federation.start(1)
+        federation.wait_for(lambda: federation.records(1, "joining"), "group 1 starts")
+        (federation.out / "hold_start").unlink()
         restart_t = kill_t = math.nan
         if kill_at is not None:
             federation.wait_for(
@@ -213,6 +248,10 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
             restart_t = time.time()
             job = federation.start(1)
             federation.wait_for(
+                lambda: any(r["pid"] == job.pid for r in federation.records(1, "joining")), "group 1 restarts"
+            )
+            (federation.out / "hold").unlink()
+            federation.wait_for(
                 lambda: any(r["pid"] == job.pid for r in federation.records(1, "step")), "group 1 rejoins"
             )
             first = next(r for r in federation.records(1, "step") if r["pid"] == job.pid)
@@ -226,12 +265,14 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
         federation.close()
     g0_steps = federation.records(0, "step")
     val = federation.records(0, "val")
+    together = [r for r in g0_steps if r["groups"] == 2 and not r["t"] >= kill_t]
+    both_up = max(_runs(together), key=len, default=[])  # the longest stretch of consecutive steps
     if kill_at is None:
-        both_up, alone, rejoined = g0_steps, [], math.nan
+        alone, rejoined = [], math.nan
     else:
         rejoined = min(r["t"] for r in federation.records(1, "step") if r["t"] > restart_t)
-        both_up = [r for r in g0_steps if r["t"] < kill_t]
-        alone = [r for r in g0_steps if kill_t <= r["t"] <= rejoined]
+        held = [r["t"] for r in federation.records(0, "hold") if r["t"] > kill_t]
+        alone = [r for r in g0_steps if kill_t <= r["t"] <= min([rejoined, *held])]
     return FaultRun(
         name=name,
         steps=steps,
