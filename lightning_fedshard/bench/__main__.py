@@ -13,6 +13,7 @@ BENCHMARKS = {
     "multitier": "lightning_fedshard.bench.multitier",
     "gpu-check": "lightning_fedshard.bench.gpu_check",
     "optimizers": "lightning_fedshard.bench.optimizers",
+    "faults": "lightning_fedshard.bench.faults",
 }
 
 

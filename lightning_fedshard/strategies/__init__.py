@@ -2,6 +2,7 @@
 
 from lightning_fedshard.strategies.ddp_dynamiq import DynamiQDDPStrategy
 from lightning_fedshard.strategies.dims import FedShardDims
+from lightning_fedshard.strategies.fault_tolerance import FaultTolerance
 from lightning_fedshard.strategies.fl_fsdp import FLFSDPStrategy
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
 from lightning_fedshard.strategies.ledger import CommLedger
@@ -12,6 +13,7 @@ __all__ = [
     "CommLedger",
     "DynamiQDDPStrategy",
     "FLFSDPStrategy",
+    "FaultTolerance",
     "FLHSDPStrategy",
     "FedShardDims",
     "FragmentSchedule",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,13 +16,39 @@ from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 from lightning_fedshard.strategies.ledger import CommLedger
 
-__all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager", "PendingAverage"]
+__all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager", "FedTransport", "PendingAverage", "ProcessGroupTransport"]
 
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 SYNC_MODES = ("all_replicas", "leader")
 
 BUCKET_BYTES = 64 * 1024 * 1024
 _MAX_REPORTED = 6  # tensors named when a sync is refused
+
+
+class FedTransport(Protocol):
+    """How a rank's buckets reach the same slice in the other groups: the mesh's ``fed`` process group, or a
+    torchft Manager (:class:`~lightning_fedshard.strategies.fault_tolerance.ManagerTransport`)."""
+
+    def size(self) -> int:
+        """The groups averaged in this round."""
+        ...
+
+    def start_mean_(self, flat: torch.Tensor) -> dist.Work:
+        """Starts turning ``flat`` into its mean across those groups, in place; the work to wait for."""
+        ...
+
+
+class ProcessGroupTransport:
+    """The fixed ``fed`` process group of one job's device mesh."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def start_mean_(self, flat: torch.Tensor) -> dist.Work:
+        return dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
 
 
 class FedAverager:
@@ -38,6 +64,9 @@ class FedAverager:
 
     With ``sync_mode="leader"`` only replica 0 of each group joins the fed all-reduce and broadcasts the
     result to its replicas, which cuts cross-group traffic by the replicate size.
+
+    ``transport`` replaces the ``fed`` group's all-reduce (fault tolerance: a torchft Manager, whose divisor is
+    the groups present in the round).
 
     With ``compression`` the fed all-reduce is a compressed ring, and FedAvg averages the change since
     the last sync (``reference - local``, as DiLoCo does) rather than the weights themselves: the
@@ -69,11 +98,18 @@ class FedAverager:
         sync_mode: Literal["all_replicas", "leader"] = "all_replicas",
         compression: Compression | None = None,
         fragments: Sequence[Sequence[int]] | None = None,
+        transport: FedTransport | None = None,
     ) -> None:
+        if transport is not None and compression is not None:
+            raise ValueError(
+                "FedAverager: DynamiQ's compressed ring runs over the fixed `fed` process group; with fault tolerance"
+                " (a torchft transport) average uncompressed (see docs/fault_tolerance.md)."
+            )
         self.named_params = list(named_params)
         everything = [list(range(len(self.named_params)))]
         self.fragments = [list(f) for f in fragments] if fragments is not None else everything
         self._fed_group = fed_group
+        self._transport: FedTransport = transport or ProcessGroupTransport(fed_group)
         self._replicate_group = replicate_group
         self._ledger = ledger
         self._sync_dtype = sync_dtype
@@ -169,7 +205,7 @@ class FedAverager:
         One flag all-reduced over the world keeps the ranks together (a rank that raised alone would leave the
         others waiting in the next collective); the names are gathered only when a rank flagged one.
         """
-        num_groups = dist.get_world_size(self._fed_group)
+        num_groups = self._transport.size()
         limit = torch.finfo(self._sync_dtype).max / num_groups
         peaks = torch.stack(
             [
@@ -224,8 +260,8 @@ class FedAverager:
             flat.div_(dist.get_world_size(self._fed_group))
             self._ledger.record_sent("fed", self.stats.wire_bytes - sent_before, fragment)
             return None
-        self._ledger.record("fed", "all_reduce", _nbytes(flat), dist.get_world_size(self._fed_group), fragment)
-        return dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._fed_group, async_op=True)
+        self._ledger.record("fed", "all_reduce", _nbytes(flat), self._transport.size(), fragment)
+        return self._transport.start_mean_(flat)
 
     def state_dict(self) -> dict[str, dict[str, DTensor]]:
         """The global parameters of the last sync (and the outer optimizer's momentum), as DTensors sharded

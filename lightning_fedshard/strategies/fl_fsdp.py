@@ -10,6 +10,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
+from lightning_fedshard.strategies.fault_tolerance import FaultTolerance
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
 
 __all__ = ["FLFSDPStrategy"]
@@ -48,6 +49,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         shard_block: int | None = None,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__(
             num_groups=num_groups,
@@ -67,4 +69,5 @@ class FLFSDPStrategy(FLHSDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             shard_block=shard_block,
+            fault_tolerance=fault_tolerance,
         )

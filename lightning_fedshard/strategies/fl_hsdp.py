@@ -50,6 +50,7 @@ from lightning_fedshard.strategies.apply import (
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager, PendingAverage, like_param
 from lightning_fedshard.strategies.dims import FedShardDims
+from lightning_fedshard.strategies.fault_tolerance import FaultTolerance, FederationMember
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     FILES_KEY,
@@ -115,6 +116,10 @@ class FLHSDPStrategy(ModelParallelStrategy):
             ``shard`` and the per-group checkpoint groups) waits for the other ranks before it fails. A rank that
             fails takes the others on its machine with it (a stopped one too), so every rank exits non-zero; a
             SIGTERM stop exits with status 143 (:class:`~lightning_fedshard.distributed.JobEnd`).
+        fault_tolerance: Off by default. A :class:`~lightning_fedshard.strategies.fault_tolerance.FaultTolerance`
+            makes this job one federation group (``num_groups`` 1 or ``None``) that averages with the other groups'
+            jobs through torchft: a group that dies is left out, one that restarts heals from a live peer
+            (docs/fault_tolerance.md).
 
     With ``precision="bf16-mixed"`` the FSDP2 units gather parameters in bf16 and reduce gradients in fp32
     (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay in fp32. A model built on the
@@ -152,6 +157,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         shard_block: int | None = None,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         name = type(self).__name__
         super().__init__(
@@ -184,6 +190,21 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if shard_block is not None and (not _is_int(shard_block) or shard_block < 1):
             raise ValueError(f"{name}: `shard_block` must be a positive integer or None, got {shard_block!r}.")
         self.shard_block = shard_block
+        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+            raise TypeError(f"{name}: `fault_tolerance` must be a FaultTolerance or None, got {fault_tolerance!r}.")
+        if fault_tolerance is not None and num_groups not in (None, 1):
+            raise ValueError(
+                f"{name}: with `fault_tolerance` each federation group is a job of its own, so `num_groups` (groups"
+                f" inside this job's world) must be 1 or None, got {num_groups!r}; start one job per group."
+            )
+        if fault_tolerance is not None and self._schedule is not None:
+            # a fragment's average in flight across a quorum change has no torchft round to commit or roll back in
+            raise ValueError(
+                f"{name}: `sync_schedule='streaming'` does not combine with `fault_tolerance` yet; use the blocking"
+                " schedule with fault tolerance, or streaming without it."
+            )
+        self.fault_tolerance = fault_tolerance
+        self._member: FederationMember | None = None
         self._num_groups = num_groups
         self._shard_size = shard_size
         self._replicate_size = replicate_size
@@ -251,7 +272,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 num_groups=self._num_groups,
                 replicate_size=self._replicate_size,
                 shard_size=self._shard_size,
-                min_groups=2,
+                min_groups=1 if self.fault_tolerance else 2,
                 min_replicas=self._min_replicate_size,
             )
         except ValueError as error:
@@ -274,6 +295,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         # Lightning calls this once devices and nodes are known and before any process starts: the
         # earliest point at which a mesh that cannot fit the world can be rejected.
         self._dims = self._resolve_dims()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance = self.fault_tolerance.resolve()  # a missing address fails before any process starts
         if None in (self._num_groups, self._replicate_size, self._shard_size):
             rank_zero_info(
                 f"{type(self).__name__}: {self._dims.describe()} over {self.num_nodes} node(s) × {self.num_processes}"
@@ -352,6 +375,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
             fragments = None
             if self._schedule is not None:
                 fragments = partition_fragments(self.model, named_params, self._schedule.fragments)
+            if self.fault_tolerance is not None and self._member is None:
+                self._member = self._join_federation()
             self._averager = FedAverager(
                 named_params,
                 fed_group=self.fed_group,
@@ -364,6 +389,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 sync_mode=self.sync_mode,
                 compression=self._compression("fed"),
                 fragments=fragments,
+                transport=self._member.transport if self._member else None,
             )
             if self._schedule is not None:
                 self._streaming = StreamingSync(self._averager, self._schedule)
@@ -388,6 +414,25 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 f"{' …' if len(plan.unaligned) > 4 else ''}); their shards stay FSDP2's dim-0 chunks."
             )
         return plan.placement_fn
+
+    def _join_federation(self) -> FederationMember:
+        """This rank's torchft Manager; the first round (:meth:`on_train_start`) heals the group from the others."""
+        assert self.model is not None and self.fault_tolerance is not None
+        return FederationMember(
+            self.fault_tolerance.resolve(),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            params=list(self.model.named_parameters()),
+            outer_state=lambda: self._averager.state_dict() if self._averager else {},
+            load_outer_state=lambda state: self._averager.load_state_dict(state) if self._averager else None,
+            counters=lambda: {key: getattr(self, key) for key in _ROUND_COUNTERS},
+            load_counters=self._load_round_counters,
+            backend=self._process_group_backend or "gloo",
+        )
+
+    def _load_round_counters(self, counters: dict[str, int]) -> None:
+        for key in _ROUND_COUNTERS:
+            setattr(self, key, counters[key])
 
     def _compression(self, traffic: str) -> Compression | None:
         """The ``DynamiQ`` plugin's settings when it asks for ``traffic`` to be compressed."""
@@ -427,12 +472,21 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     def fed_sync(self) -> None:
         """One cross-group round: reshard every FSDP unit, then average the local shards across groups."""
-        if not self.dims.fed_enabled or self._averager is None:
+        if not (self.dims.fed_enabled or self._member) or self._averager is None:
             return
         reshard_all(self.model)
-        self._averager.sync()
+        if self._member is None:
+            self._averager.sync()
+        elif not self._member.run_round(self._averager.sync):
+            return
         self.syncs += 1
         self._steps_at_last_sync = self.optimizer_steps
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._member is not None:
+            self.fed_sync()  # join: a group that starts late or restarts takes the federation's current state
 
     @override
     def on_train_end(self) -> None:
@@ -454,6 +508,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if self._streaming is not None:
             for fragment in range(self._streaming.schedule.fragments):
                 metrics[f"comm/fed_fragment{fragment}_bytes"] = self.ledger.last_fragment_step.get(fragment, 0.0)
+        if self._member is not None:
+            metrics["fed/groups"] = float(self._member.last_participants)
         if self._averager is not None:
             metrics.update(self._averager.stats.take_metrics("dynamiq/fed"))
         assert self.lightning_module is not None
@@ -532,6 +588,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
             "steps_at_last_sync": self._steps_at_last_sync,
             "syncs": self.syncs,
             "in_flight_fragment": None if (pending := self._pending_average()) is None else pending.fragment,
+            "torchft": self._member.state_dict() if self._member else None,
         }
 
     def _pending_average(self) -> PendingAverage | None:
@@ -590,6 +647,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 view.copy_(state["in_flight"][name].to_local())
             template.complete = True
             self._streaming.pending = template
+        if self._member is not None and saved.get("torchft"):
+            self._member.load_state_dict(saved["torchft"])
         return meta
 
     def _group_share(self) -> tuple[int, int]:
@@ -637,9 +696,16 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._member is not None:
+            self._member.shutdown()
+            self._member = None
         super().teardown()
         if self._process_group_backend == "gloo" and not self.job_end.failed:
             destroy_process_group_at_exit()
+
+
+#: The strategy's counters a healing group takes from its peer, so that it syncs at the same steps.
+_ROUND_COUNTERS = ("optimizer_steps", "syncs", "_steps_at_last_sync")
 
 
 def _attempt(action: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:

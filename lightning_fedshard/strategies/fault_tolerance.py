@@ -1,0 +1,332 @@
+"""Federation groups that survive failures: the cross-group average through a torchft ``Manager``.
+
+With fault tolerance each federation group is a job of its own (its own ``torchrun``, its own world of R × S ranks)
+and one torchft replica group. A torchft Lighthouse keeps the membership: at every round each rank asks its
+group's ``Manager`` for a quorum, averages its shards with rank k of every live group over a torchft process group
+that is rebuilt whenever the quorum changes, and applies the round only if every rank of its group agrees
+(``should_commit``). A group that died is left out once its heartbeat expires; a group that (re)starts heals from a
+live peer through torchft's checkpoint transport (parameters, outer-optimizer state and the round counters) and
+then trains in step with the others. The Manager owns membership: the strategy asks it who is present, never
+guesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_fedshard.distributed.timeouts import check_timeout
+
+__all__ = ["FaultTolerance", "FederationMember", "ManagerTransport"]
+
+log = logging.getLogger(__name__)
+
+#: The environment variables a :class:`FaultTolerance` field is read from when it is not given.
+ENV = {
+    "lighthouse": "TORCHFT_LIGHTHOUSE",
+    "group_id": "REPLICA_GROUP_ID",
+    "min_groups": "TORCHFT_MIN_GROUPS",
+    "timeout": "TORCHFT_TIMEOUT_SEC",
+    "quorum_timeout": "TORCHFT_QUORUM_TIMEOUT_SEC",
+    "connect_timeout": "TORCHFT_CONNECT_TIMEOUT_SEC",
+}
+#: Seconds between two quorum requests of a group that waits for ``min_groups``.
+MIN_GROUPS_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Where a federation group finds the others and how long it waits for them (torchft).
+
+    Every field left as ``None`` is read from the environment (:data:`ENV`) when the strategy starts; the
+    torchft variables ``TORCHFT_*_TIMEOUT_SEC`` override a given timeout, as they do inside torchft itself.
+
+    Arguments:
+        lighthouse: The torchft Lighthouse, ``http://host:port`` (``TORCHFT_LIGHTHOUSE``).
+        group_id: This federation group's number, an integer ≥ 0 unique among the groups (``REPLICA_GROUP_ID``).
+            Rank k of group g meets rank k of every other group; all groups must shard alike.
+        min_groups: Groups a round needs (``TORCHFT_MIN_GROUPS``, default 1). With fewer, the group waits at its
+            next round, logging who is missing, for at most ``quorum_timeout``.
+        timeout: How long one cross-group all-reduce, commit vote or checkpoint transfer waits (default 60 s):
+            also how long a frozen peer can hold a round before it is left out.
+        quorum_timeout: How long a round waits for its quorum (default 15 min). It must cover the Lighthouse's
+            heartbeat timeout plus one sync interval plus the time a restarted group takes to start.
+        connect_timeout: How long connecting to the Lighthouse and the group's Manager may take (default 60 s).
+        heartbeat_interval: How often the group tells the Lighthouse that it is alive (default 100 ms).
+
+    Example::
+
+        ft = FaultTolerance(lighthouse="http://head:29510", group_id=0, min_groups=2)
+        trainer = Trainer(strategy=FLFSDPStrategy(sync_every=8, fault_tolerance=ft), devices=4)
+        trainer = Trainer(strategy=FLFSDPStrategy(fault_tolerance=FaultTolerance()))  # all from the environment
+    """
+
+    lighthouse: str | None = None
+    group_id: int | None = None
+    min_groups: int | None = None
+    timeout: timedelta | None = None
+    quorum_timeout: timedelta | None = None
+    connect_timeout: timedelta | None = None
+    heartbeat_interval: timedelta = field(default=timedelta(milliseconds=100))
+
+    def resolve(self, environ: dict[str, str] | None = None) -> FaultTolerance:
+        """Every field filled in (from the environment where not given) and checked; a clear error otherwise."""
+        env = os.environ if environ is None else environ
+        name = type(self).__name__
+        lighthouse = self.lighthouse or env.get(ENV["lighthouse"])
+        if not lighthouse:
+            raise ValueError(
+                f"{name}: no Lighthouse address; pass lighthouse='http://host:port' or set {ENV['lighthouse']}"
+                " (start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)."
+            )
+        group_id = self.group_id if self.group_id is not None else _env_int(env, "group_id", name)
+        if group_id is None:
+            raise ValueError(f"{name}: no federation group id; pass group_id=<k> or set {ENV['group_id']}.")
+        _check_count(group_id, "group_id", 0, name)
+        min_groups = self.min_groups if self.min_groups is not None else _env_int(env, "min_groups", name)
+        min_groups = 1 if min_groups is None else min_groups
+        _check_count(min_groups, "min_groups", 1, name)
+        timeouts = {
+            key: _env_seconds(env, key, name) or check_timeout(getattr(self, key), f"{name}.{key}") or default
+            for key, default in (
+                ("timeout", timedelta(seconds=60)),
+                ("quorum_timeout", timedelta(minutes=15)),
+                ("connect_timeout", timedelta(seconds=60)),
+            )
+        }
+        heartbeat = check_timeout(self.heartbeat_interval, f"{name}.heartbeat_interval")
+        return replace(
+            self, lighthouse=lighthouse, group_id=group_id, min_groups=min_groups, heartbeat_interval=heartbeat,
+            **timeouts,
+        )  # fmt: skip
+
+    @property
+    def replica_id(self) -> str:
+        """torchft's replica id: torchft numbers the ranks of its process groups by the id's trailing digits."""
+        return f"fedgroup_{self.group_id}"
+
+
+class ManagerTransport:
+    """The averager's cross-group all-reduce through a torchft ``Manager``: the mean over the groups in the
+    current quorum (torchft sums, then divides by the number of participants it counted for this round).
+
+    A failed all-reduce does not raise: torchft records the error, the round's ``should_commit`` vote fails and
+    :class:`FederationMember` restores the state from before the round.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    def start_mean_(self, flat: torch.Tensor) -> Any:
+        return self.manager.allreduce(flat)  # a torchft Work: waited for when the average is applied
+
+
+class FederationMember:
+    """One rank's membership in the federation: its torchft ``Manager``, the rounds it runs and what it hands a
+    group that heals from it.
+
+    ``params`` are the FSDP parameters (DTensors), ``outer_state`` / ``load_outer_state`` the averager's global
+    copies and outer momentum, and ``counters`` / ``load_counters`` the strategy's round counters (optimizer steps,
+    syncs), so that a healed group syncs at the same steps as the others.
+
+    Example::
+
+        member = FederationMember(ft.resolve(), rank=0, world_size=2, params=model.named_parameters(), ...)
+        committed = member.run_round(averager.sync)  # every rank of the group calls it at the same step
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        *,
+        rank: int,
+        world_size: int,
+        params: list[tuple[str, nn.Parameter]],
+        outer_state: Callable[[], dict[str, dict[str, DTensor]]],
+        load_outer_state: Callable[[dict[str, dict[str, DTensor]]], None],
+        counters: Callable[[], dict[str, int]],
+        load_counters: Callable[[dict[str, int]], None],
+        backend: str = "gloo",
+    ) -> None:
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        self.config = config
+        self._params = params
+        self._outer_state = outer_state
+        self._load_outer_state = load_outer_state
+        self._counters = counters
+        self._load_counters = load_counters
+        timeout = config.timeout
+        assert timeout is not None and config.quorum_timeout is not None, "resolve() the FaultTolerance first"
+        pg = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=self._load_state_dict,
+            state_dict=self._state_dict,
+            min_replica_size=config.min_groups,
+            use_async_quorum=False,  # a sync quorum: the divisor is every group present, healing happens first
+            timeout=timeout,
+            quorum_timeout=config.quorum_timeout,
+            connect_timeout=config.connect_timeout,
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=config.lighthouse,
+            replica_id=config.replica_id,
+            hostname=socket.gethostname(),
+            heartbeat_interval=config.heartbeat_interval,
+            init_sync=True,  # groups start from one model: torchft heals every group at step 0 from the others
+        )
+        self.transport = ManagerTransport(self.manager)
+        self.rounds_failed = 0
+        self.last_participants = 0
+
+    def run_round(self, average: Callable[[], None]) -> bool:
+        """One cross-group round: quorum (healing this group first if it is behind), ``average``, then the
+        group's vote. Returns whether the round was applied; if not, the state from before it is restored."""
+        self._start_quorum()
+        before = self._snapshot()
+        average()
+        if self.manager.should_commit():
+            return True
+        self.rounds_failed += 1
+        self._restore(before)
+        log.warning(
+            "federation group %s: round %d was not applied (a peer failed or too few groups); the group keeps its"
+            " state from before the round and rejoins at the next one",
+            self.config.group_id,
+            self.manager.current_step(),
+        )
+        return False
+
+    def _start_quorum(self) -> None:
+        deadline = time.monotonic() + self.config.quorum_timeout.total_seconds()
+        waiting_since = None
+        while True:
+            self.manager.start_quorum(timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            present = self.manager.num_participants()
+            self.last_participants = present
+            if present >= self.config.min_groups:
+                if waiting_since is not None:
+                    log.warning(
+                        "federation group %s: %d groups present after %.1f s, training goes on",
+                        self.config.group_id,
+                        present,
+                        time.monotonic() - waiting_since,
+                    )
+                return
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning(
+                    "federation group %s: waiting for at least min_groups=%d federation groups, %d present"
+                    " (quorum_timeout %s)",
+                    self.config.group_id,
+                    self.config.min_groups,
+                    present,
+                    self.config.quorum_timeout,
+                )
+            if time.monotonic() + MIN_GROUPS_POLL_S > deadline:
+                raise TimeoutError(
+                    f"federation group {self.config.group_id}: only {present} of the min_groups="
+                    f"{self.config.min_groups} federation groups joined within quorum_timeout="
+                    f"{self.config.quorum_timeout}; check that the other groups' jobs run and reach the Lighthouse"
+                    f" {self.config.lighthouse}."
+                )
+            time.sleep(MIN_GROUPS_POLL_S)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self._state_dict()
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._load_state_dict(state)
+
+    # ---- what a healing group receives ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _state_dict(self) -> dict[str, Any]:
+        # clones: torchft's HTTP transport serves CPU tensors by reference while this rank trains on
+        return {
+            "params": {name: p.to_local().detach().clone() for name, p in self._params},
+            "outer": {
+                part: {name: t.to_local().detach().clone() for name, t in tensors.items()}
+                for part, tensors in self._outer_state().items()
+            },
+            "counters": dict(self._counters()),
+        }
+
+    @torch.no_grad()
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        params = dict(self._params)
+        if state["params"].keys() != params.keys():
+            raise ValueError(
+                f"federation group {self.config.group_id}: the peer's parameters"
+                f" {sorted(set(state['params']) ^ set(params))} differ from this model's; every group must train"
+                " the same model with the same sharding."
+            )
+        for name, p in self._params:
+            p.to_local().copy_(state["params"][name])
+        self._load_outer_state(
+            {
+                part: {name: _like(params[name], t) for name, t in tensors.items()}
+                for part, tensors in state["outer"].items()
+            }
+        )
+        self._load_counters(state["counters"])
+
+    # ---- checkpoints and shutdown -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's round counter, for this group's own checkpoints (torchft requires it on resume)."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _like(param: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _check_count(value: object, arg: str, minimum: int, owner: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}: `{arg}` must be an integer ≥ {minimum}, got {value!r}.")
+
+
+def _env_int(env: Any, key: str, owner: str) -> int | None:
+    text = env.get(ENV[key])
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{owner}: {ENV[key]}={text!r} is not an integer.") from None
+
+
+def _env_seconds(env: Any, key: str, owner: str) -> timedelta | None:
+    text = env.get(ENV[key])
+    if text is None or text == "":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{owner}: {ENV[key]}={text!r} is not a number of seconds.") from None
+    if not seconds > 0:
+        raise ValueError(f"{owner}: {ENV[key]}={text!r} must be a positive number of seconds.")
+    return timedelta(seconds=seconds)

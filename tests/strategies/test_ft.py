@@ -1,0 +1,244 @@
+"""Fault tolerance on torchft: two federation groups of two gloo ranks each, one job per group, one Lighthouse.
+
+One launch (tests/strategies/ft_worker.py) plays the whole story, and the tests below read its records: group 0
+trains alone, group 1 joins late, then three times over one rank of group 1 is killed with SIGKILL mid-interval,
+group 0 trains on alone, and group 1 is restarted and rejoins. The groups train with DiLoCo's outer optimizer, so a
+rejoining group must receive the global copies and the outer momentum as well as the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fedshard.distributed.processes import RunProcess
+from tests.launching import REPO
+
+pytestmark = pytest.mark.multiproc
+
+SYNC_EVERY = 4
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+CYCLES = 3
+WAIT_S = 240  # for any one thing to happen: interpreters importing torch on a loaded 2-core machine
+HEARTBEAT_TIMEOUT_MS = 1500
+
+
+@dataclass
+class Group:
+    """One group's job: the launcher is its rank 0 (Lightning's launcher spawns rank 1)."""
+
+    index: int
+    out: Path
+    lighthouse: str
+    launches: list[subprocess.Popen] = field(default_factory=list)
+    _records: dict[Path, dict] = field(default_factory=dict)
+
+    def start(self, **settings) -> None:
+        config = self.out / f"g{self.index}_config.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "out": str(self.out),
+                    "group": self.index,
+                    "lighthouse": self.lighthouse,
+                    "devices": 2,
+                    "sync_every": SYNC_EVERY,
+                    "outer_optimizer": "nesterov",
+                    "timeout_s": 120,
+                    "ft_timeout_s": 10,
+                    "quorum_timeout_s": 120,
+                    **settings,
+                }
+            )
+        )
+        with (self.out / f"g{self.index}_launch{len(self.launches)}.log").open("w") as log:
+            self.launches.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.strategies.ft_worker", str(config)],
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+
+    @property
+    def launcher(self) -> subprocess.Popen:
+        return self.launches[-1]
+
+    def log(self, launch: int = -1) -> str:
+        return (self.out / f"g{self.index}_launch{launch % len(self.launches)}.log").read_text(errors="replace")
+
+    def progress(self, rank: int) -> dict:
+        path = self.out / f"g{self.index}_r{rank}.progress"
+        return json.loads(path.read_text()) if path.exists() else {"optimizer_steps": -1, "pid": None}
+
+    def rounds(self, rank: int = 0, pids: set[int] | None = None, groups: int | None = None) -> dict[int, Path]:
+        """This rank's committed rounds by torchft round number (of the launches with ``pids`` and with ``groups``
+        groups, if given), read from the record names."""
+        found = {}
+        for path in self.out.glob(f"g{self.index}_r{rank}_round*_committed_*.pt"):
+            _, _, round_, in_round, _, pid = path.stem.split("_")
+            if (pids is None or int(pid) in pids) and groups in (None, int(in_round.removeprefix("groups"))):
+                found[int(round_.removeprefix("round"))] = path
+        return found
+
+    def record(self, path: Path) -> dict:
+        if path not in self._records:
+            self._records[path] = torch.load(path, weights_only=True)
+        return self._records[path]
+
+    def kill_all(self) -> None:
+        for launch in self.launches:
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+
+
+def wait_for(condition, what: str, groups: list[Group]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        for group in groups:
+            running = group.launcher.poll() is None
+            assert running or group.launcher.returncode == 0, f"group {group.index} failed:\n{group.log()[-6000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s:\n" + "\n".join(
+            g.log()[-3000:] for g in groups
+        )
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    from torchft._torchft import LighthouseServer
+
+    out = tmp_path_factory.mktemp("ft")
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
+    )
+    g0, g1 = (Group(i, out, lighthouse.address()) for i in range(2))
+    events: dict = {"outages": [], "g1_launch_pids": []}
+    try:
+        g0.start()
+        wait_for(lambda: len(g0.rounds(groups=1)) >= 2, "group 0 trains alone", [g0])
+        for launch in range(CYCLES + 1):
+            if launch:  # an outage: kill one rank of group 1 between its syncs, watch group 0 go on
+                victim = g1.progress(1)["pid"]
+                before = max(g0.rounds())
+                steps_before = g0.progress(0)["optimizer_steps"]
+                os.kill(victim, signal.SIGKILL)
+                g1.launcher.wait(timeout=WAIT_S)
+                wait_for(lambda: RunProcess.of(victim).state() in (None, "Z"), "the killed rank is gone", [g0])
+                wait_for(
+                    lambda: sum(n > before for n in g0.rounds(groups=1)) >= 2,
+                    "group 0 trains on alone",
+                    [g0],
+                )
+                events["outages"].append(
+                    {
+                        "after_round": before,
+                        "steps_before": steps_before,
+                        "steps_after": g0.progress(0)["optimizer_steps"],
+                        "g1_returncode": g1.launcher.returncode,
+                    }
+                )
+            g1.start()
+            pid = g1.launcher.pid
+            events["g1_launch_pids"].append(pid)
+            # rank 0 of the launch holds its pid; it has rejoined once it committed its joining round and the next
+            wait_for(lambda: len(g1.rounds(0, {pid})) >= 2, f"group 1 (launch {launch}) rejoins", [g0, g1])
+        (out / "stop.json").write_text(json.dumps({"at_step": g0.progress(0)["optimizer_steps"] + 2 * SYNC_EVERY}))
+        for group in (g0, g1):
+            group.launcher.wait(timeout=WAIT_S)
+        events["returncodes"] = [g0.launcher.returncode, g1.launcher.returncode]
+        events["logs"] = [g0.log(), g1.log()]
+        yield g0, g1, events
+    finally:
+        for group in (g0, g1):
+            group.kill_all()
+        lighthouse.shutdown()
+
+
+def nesterov_step(reference, momentum, mean_pseudo_grad):
+    """torch.optim.SGD(nesterov=True) on one tensor, as the averager's outer step runs it."""
+    buf = momentum * OUTER_MOMENTUM + mean_pseudo_grad
+    return reference - OUTER_LR * (mean_pseudo_grad + OUTER_MOMENTUM * buf), buf
+
+
+def test_the_surviving_group_trains_on_while_the_other_is_down(story):
+    g0, _, events = story
+    assert len(events["outages"]) == CYCLES
+    for outage in events["outages"]:
+        assert outage["g1_returncode"] != 0  # the damaged group's job failed as a whole
+        assert outage["steps_after"] >= outage["steps_before"] + 2 * SYNC_EVERY, outage
+    # no error: it never stopped (torchft logs the all-reduce a kill cut short; that round is not applied)
+    assert events["returncodes"] == [0, 0], events["logs"][0][-4000:]
+
+
+def test_after_each_rejoin_both_groups_hold_the_reference_average(story):
+    g0, g1, events = story
+    joint_rounds = 0
+    for rank in range(2):
+        ours, theirs = g0.rounds(rank, groups=2), g1.rounds(rank, groups=2)
+        # a round is applied by every group in it or by none, except one a kill cut between the two groups' votes
+        assert len(ours.keys() ^ theirs.keys()) <= CYCLES, sorted(ours.keys() ^ theirs.keys())
+        for n in sorted(ours.keys() & theirs.keys()):
+            a, b = g0.record(ours[n]), g1.record(theirs[n])
+            assert a["groups"] == b["groups"] == 2, n
+            assert a["optimizer_steps"] == b["optimizer_steps"], n  # the healed group syncs at the same steps
+            for part in ("reference", "momentum"):  # the global state the round starts from is the federation's
+                for name in a["pre"][part]:
+                    assert torch.equal(a["pre"][part][name], b["pre"][part][name]), (n, part, name)
+            for name, reference in a["pre"]["reference"].items():
+                mean = ((reference - a["pre"]["local"][name]) + (reference - b["pre"]["local"][name])) / 2
+                expected, buf = nesterov_step(reference, a["pre"]["momentum"][name], mean)
+                for post in (a["post"], b["post"]):
+                    torch.testing.assert_close(post["local"][name], expected, rtol=0, atol=1e-6)
+                    torch.testing.assert_close(post["reference"][name], expected, rtol=0, atol=1e-6)
+                    torch.testing.assert_close(post["momentum"][name], buf, rtol=0, atol=1e-6)
+                assert torch.equal(a["post"]["local"][name], b["post"]["local"][name]), (n, name)
+            joint_rounds += rank == 0
+    assert joint_rounds >= 2 * (CYCLES + 1), joint_rounds
+    assert events["returncodes"] == [0, 0], events["logs"][1][-4000:]
+
+
+def test_a_joining_group_starts_from_the_federations_state(story):
+    g0, g1, events = story
+    for pid in events["g1_launch_pids"]:
+        joined = g1.rounds(0, {pid})
+        first = min(joined)
+        own_start = torch.load(g1.out / f"g1_r0_start{pid}.pt", weights_only=True)
+        theirs = g0.record(g0.rounds(0)[first])
+        mine = g1.record(joined[first])
+        assert first > 0  # it joined a federation already under way, at its current round
+        for name, start in own_start.items():
+            # healed before contributing: what it averages is the federation's state, not its own initialisation
+            assert not torch.equal(start, mine["pre"]["local"][name]), name
+            assert torch.equal(mine["pre"]["local"][name], theirs["pre"]["local"][name]), name
+            assert torch.equal(mine["post"]["local"][name], theirs["post"]["local"][name]), name
+
+
+def test_below_min_groups_a_group_waits_with_a_log_line_then_gives_up_at_its_quorum_timeout(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50)
+    alone = Group(0, tmp_path, lighthouse.address())
+    try:
+        alone.start(devices=1, min_groups=2, quorum_timeout_s=4)
+        alone.launcher.wait(timeout=WAIT_S)
+    finally:
+        alone.kill_all()
+        lighthouse.shutdown()
+    log = alone.log()
+    assert alone.launcher.returncode != 0, log[-4000:]
+    assert "federation group 0: waiting for at least min_groups=2 federation groups, 1 present" in log, log[-4000:]
+    assert "TimeoutError: federation group 0: only 1 of the min_groups=2 federation groups joined within" in log
+    assert alone.progress(0)["optimizer_steps"] == -1  # it never trained alone
