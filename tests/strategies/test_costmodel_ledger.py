@@ -53,7 +53,7 @@ def as_logged(value: float) -> float:
         # these two repeat them in the benchmarks (-m slow) to keep CI under 20 minutes
         pytest.param(HSDP, id="hsdp", marks=pytest.mark.slow),
         pytest.param(FL_FSDP, id="fl_fsdp", marks=pytest.mark.slow),
-        pytest.param(FL_HSDP, id="fl_hsdp"),
+        pytest.param(FL_HSDP, id="fl_hsdp", marks=pytest.mark.slow),  # fl_hsdp-leader covers its tiers and more
         pytest.param(FL_HSDP_LEADER_DILOCO, id="fl_hsdp-leader"),
         pytest.param(FL_FSDP_BF16_ACCUMULATE, id="fl_fsdp-bf16-accumulate"),
     ],

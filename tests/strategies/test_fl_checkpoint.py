@@ -97,6 +97,9 @@ def test_resuming_with_another_mesh_fails_on_every_rank_with_the_layout(runs, tm
     assert "this run uses {'num_groups': 1, 'replicate_size': 1, 'shard_size': 4}" in result.stderr
 
 
+# ~190 s of launches; CI keeps fl_hsdp's resume through the CLI (tests/training/test_cli_distributed.py) and
+# fl_fsdp's mid-round resume here. With the benchmarks (-m slow), for CI's 20 minutes.
+@pytest.mark.slow
 def test_fl_hsdp_mid_round_resume_restores_each_group_and_replica(tmp_path):
     """Inside a group the replicas hold the same shards, so each group's checkpoint de-duplicates them."""
     hsdp = {
