@@ -23,6 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# the project's venv where there is one (here), else the machine's own python3 (the GPU machine's torch build)
+# PYTHON given on the command line, else the project's venv where there is one (here), else the machine's own
+# python3 (the GPU machine's torch build)
+GPU_PYTHON := $(if $(filter command line,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)))
 gpu-check:
-	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) bash scripts/gpu_check.sh
+	PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh
