@@ -119,11 +119,15 @@ def hsdp_bf16_run(tmp_path_factory):
     )
 
 
+# the hsdp bf16 run takes ~190 s: with the benchmarks (-m slow), for CI's 20 minutes
+@pytest.mark.slow
 def test_initial_model_does_not_depend_on_the_layout(fl_hsdp_run, hsdp_bf16_run):
     # same seed, shards of 1 (fl_hsdp) and of 2 (hsdp): the same whole weights
     assert torch.equal(fl_hsdp_run[1][0]["probed_full"], hsdp_bf16_run[0][0]["probed_full"])
 
 
+# the hsdp bf16 run takes ~190 s: with the benchmarks (-m slow), for CI's 20 minutes
+@pytest.mark.slow
 def test_hsdp_materialises_shards_in_bf16_mixed_with_activation_checkpointing(hsdp_bf16_run):
     ranks, metrics = hsdp_bf16_run
     for r in ranks:

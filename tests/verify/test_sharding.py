@@ -73,8 +73,10 @@ def _ranks(request, world: int) -> list[dict]:
 # --------------------------------------------------------------------------- every rank answers the same
 
 
-# four ranks repeat the two-rank check with more peers (47 s here): with the benchmarks, to keep CI under 20 min
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+# a launch of its own per world (~100 s for two ranks); the bitwise tests against one process check the same ranks'
+# results: with the benchmarks (-m slow), to keep CI under 20 min
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_of_the_group_computes_the_same_results(request, world):
     ranks = _ranks(request, world)
     for plan in ranks[0]:
