@@ -48,9 +48,9 @@ def as_logged(value: float) -> float:
 @pytest.mark.parametrize(
     "cfg",
     [
+        pytest.param(FSDP2, id="fsdp2", marks=pytest.mark.slow),  # fl_hsdp-leader covers the shard tier
         # hsdp's ledger is checked end to end by the shaped multitier run, fl_fsdp's by its bf16/accumulate variant:
         # these two repeat them in the benchmarks (-m slow) to keep CI under 20 minutes
-        pytest.param(FSDP2, id="fsdp2", marks=pytest.mark.slow),  # fl_hsdp-leader covers the shard tier
         pytest.param(HSDP, id="hsdp", marks=pytest.mark.slow),
         pytest.param(FL_FSDP, id="fl_fsdp", marks=pytest.mark.slow),
         pytest.param(FL_HSDP, id="fl_hsdp", marks=pytest.mark.slow),  # fl_hsdp-leader covers its tiers and more
