@@ -178,7 +178,9 @@ def test_the_surviving_group_trains_on_while_the_other_is_down(story):
     assert len(events["outages"]) == CYCLES
     for outage in events["outages"]:
         assert outage["g1_returncode"] != 0  # the damaged group's job failed as a whole
-        assert outage["steps_after"] >= outage["steps_before"] + 2 * SYNC_EVERY, outage
+        # two solo rounds after a kill that may land just before a round boundary: at least one whole interval
+        # and the step into it (e.g. killed at step 159: rounds at 160 and 164)
+        assert outage["steps_after"] >= outage["steps_before"] + SYNC_EVERY + 1, outage
     # no error: it never stopped (torchft logs the all-reduce a kill cut short; that round is not applied)
     assert events["returncodes"] == [0, 0], events["logs"][0][-4000:]
 
