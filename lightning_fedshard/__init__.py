@@ -25,17 +25,30 @@ from lightning_fedshard.strategies import (
     register_strategies,
 )
 from lightning_fedshard.training import LlamaPretraining, TokenThroughputMonitor
-from lightning_fedshard.verify import (
-    ShardPlan,
-    Verdict,
-    VerificationModule,
-    VerificationResult,
-    VerifyConfig,
-    VnncompInstances,
-    load_onnx,
-    read_vnnlib,
-    verify_files,
+
+# The verifier (and onnx with it, ~1 s per process) loads on first use: training processes never need it.
+_VERIFY_EXPORTS = frozenset(
+    {
+        "ShardPlan",
+        "Verdict",
+        "VerificationModule",
+        "VerificationResult",
+        "VerifyConfig",
+        "VnncompInstances",
+        "load_onnx",
+        "read_vnnlib",
+        "verify_files",
+    }
 )
+
+
+def __getattr__(name: str) -> object:
+    if name in _VERIFY_EXPORTS:
+        from lightning_fedshard import verify
+
+        return getattr(verify, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 register_strategies()
 
