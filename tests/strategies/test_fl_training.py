@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from tests.strategies.conftest import share_launch
 from tests.strategies.worker import make_dataset, random_model
 
 pytestmark = pytest.mark.multiproc
@@ -72,6 +73,7 @@ FSDP2 = {
     "validate_after_fit": True,
 }
 HSDP = {**FSDP2, "strategy": "hsdp", "strategy_kwargs": {"shard_size": 2, "auto_wrap": AUTO_WRAP}}
+share_launch(FL_FSDP, FL_FSDP_EVERY_STEP, FL_FSDP_BF16_ACCUMULATE, FSDP2, HSDP, FL_HSDP, FL_HSDP_LEADER_DILOCO)
 
 
 # ---- independent references ---------------------------------------------------------------------

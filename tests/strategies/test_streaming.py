@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_fedshard.strategies import FLFSDPStrategy, FLHSDPStrategy
+from tests.strategies.conftest import share_launch
 from tests.strategies.test_fl_training import FL_FSDP, fl_fsdp, mean_params, param_bytes
 
 pytestmark = pytest.mark.multiproc
@@ -30,6 +31,7 @@ STREAMING_DILOCO = {
     "max_steps": 8,
     "val_check_interval": 3,  # a no-grad forward while fragment 1's average is in flight
 }
+share_launch(STREAMING_LIKE_BLOCKING, STREAMING_DILOCO)
 GROUP_LEADS = (0, 2)  # rank 0 of each group: it records the full parameters of its group
 
 

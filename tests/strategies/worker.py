@@ -1,6 +1,8 @@
 """One training run under a registered strategy; launched by the tests as a script (Lightning spawns the ranks).
 
-Usage: python worker.py CONFIG.json — every rank writes ``<out>/rank<r>.pt`` with what it observed.
+Usage: python worker.py CONFIG.json — every rank writes ``<out>/rank<r>.pt`` with what it observed. A config with
+``"runs": [cfg, ...]`` fits each of them in turn in the same processes (each with its own ``out``), so that the
+interpreters start once: their imports are most of a small run's time.
 """
 
 from __future__ import annotations
@@ -182,6 +184,12 @@ def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     if cfg.get("kill_in_save") and cfg["kill_in_save"]["rank"] == int(os.environ.get("LOCAL_RANK", "0")):
         kill_during_save(cfg["kill_in_save"]["save"])
+    # the first fit spawns the other ranks (Lightning's launcher); the later ones find them running
+    for run in cfg.get("runs", [cfg]):
+        fit(run)
+
+
+def fit(cfg: dict) -> None:
     entry = StrategyRegistry[cfg["strategy"]]
     strategy = recording(entry["strategy"], cfg)(**{**entry["init_params"], **cfg.get("strategy_kwargs", {})})
     recorder = StepRecorder(cfg)
