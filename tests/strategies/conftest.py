@@ -18,7 +18,8 @@ WORKER = Path(__file__).with_name("worker.py")
 def launch(cfg: dict, out: Path, torchrun: bool = False) -> subprocess.CompletedProcess:
     """Runs the worker with Lightning's own launcher (it spawns the other ranks) or under ``torchrun``; a minute
     more per fit of a ``runs`` config."""
-    out.mkdir(parents=True, exist_ok=True)
+    for folder in (out, *(Path(run["out"]) for run in cfg.get("runs", []))):
+        folder.mkdir(parents=True, exist_ok=True)
     config = out / "config.json"
     config.write_text(json.dumps({**cfg, "out": str(out)}))
     launcher = [sys.executable]

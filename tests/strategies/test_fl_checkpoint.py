@@ -30,23 +30,35 @@ BASE = {
 }
 
 
+# ModelCheckpoint's names for the saves at step 8 (right after a sync) and step 6 (mid-round), 2 steps per epoch
+STEP8, STEP6 = "epoch=3-step=8.ckpt", "epoch=2-step=6.ckpt"
+OTHER_MESH = {
+    **BASE,
+    "strategy": "fsdp2",
+    "strategy_kwargs": {"auto_wrap": ["__main__.Block"], "outer_optimizer": "nesterov"},
+    "max_steps": 12,
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def runs(tmp_path_factory) -> dict[str, object]:
+    """One launch fits them in turn: the uninterrupted run, the first part (saving every 2 steps), the resumes
+    from step 8 and step 6, and last a resume from step 8 under another mesh, which must fail the launch."""
     root = tmp_path_factory.mktemp("ckpt")
     ckpt_dir = root / "checkpoints"
     plans = {
         "uninterrupted": {**BASE, "max_steps": 12},
-        # ModelCheckpoint saves every 2 steps: step 8 is right after a sync, step 6 is mid-round
         "first_part": {**BASE, "max_steps": 8, "checkpoint_every": 2, "checkpoint_dir": str(ckpt_dir)},
+        "resumed_after_sync": {**BASE, "max_steps": 12, "resume_from": str(ckpt_dir / STEP8)},
+        "resumed_mid_round": {**BASE, "max_steps": 12, "resume_from": str(ckpt_dir / STEP6)},
+        "other_mesh": {**OTHER_MESH, "resume_from": str(ckpt_dir / STEP8)},
     }
-    results = {}
-    for name, cfg in plans.items():
-        results[name] = _run(cfg, root / name)
-    (step6,) = ckpt_dir.glob("*step=6.ckpt")
-    (step8,) = ckpt_dir.glob("*step=8.ckpt")
-    results["resumed_after_sync"] = _run({**BASE, "max_steps": 12, "resume_from": str(step8)}, root / "resume8")
-    results["resumed_mid_round"] = _run({**BASE, "max_steps": 12, "resume_from": str(step6)}, root / "resume6")
-    results["paths"] = {"step6": step6, "step8": step8}
+    result = launch({"devices": 4, "runs": [{**cfg, "out": str(root / name)} for name, cfg in plans.items()]}, root)
+    results: dict[str, object] = {"other_mesh": result}
+    for name in list(plans)[:-1]:
+        assert (root / name / "rank3.pt").exists(), f"{name} did not finish:\n{result.stderr[-6000:]}"
+        results[name] = load_ranks(root / name, 4)
+    results["paths"] = {"step6": ckpt_dir / STEP6, "step8": ckpt_dir / STEP8}
     return results
 
 
@@ -85,13 +97,8 @@ def test_mid_round_checkpoint_holds_diverged_groups(runs):
         assert all(torch.equal(resumed[rank]["initial"][n], group_params[n]) for n in group_params)
 
 
-def test_resuming_with_another_mesh_fails_on_every_rank_with_the_layout(runs, tmp_path):
-    cfg = {
-        **BASE,
-        "strategy": "fsdp2",
-        "strategy_kwargs": {"auto_wrap": ["__main__.Block"], "outer_optimizer": "nesterov"},
-    }
-    result = launch({**cfg, "max_steps": 12, "resume_from": str(runs["paths"]["step8"])}, tmp_path)
+def test_resuming_with_another_mesh_fails_on_every_rank_with_the_layout(runs):
+    result = runs["other_mesh"]
     assert result.returncode != 0
     assert "was saved with mesh {'num_groups': 2, 'replicate_size': 1, 'shard_size': 2}" in result.stderr
     assert "this run uses {'num_groups': 1, 'replicate_size': 1, 'shard_size': 4}" in result.stderr
