@@ -98,19 +98,28 @@ def scenarios(corrupt: Path) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory, corrupt_onnx):
+    """``launch(name)`` → that scenario's results; its first call runs every scenario with as many devices in one
+    launch (the interpreters start once)."""
     cache: dict[str, list[VerificationResult]] = {}
 
     def run(name: str) -> list[VerificationResult]:
         if name not in cache:
-            spec = dict(scenarios(corrupt_onnx)[name])
+            scenarios_ = scenarios(corrupt_onnx)
+            batch = [other for other, s in scenarios_.items() if s["devices"] == scenarios_[name]["devices"]]
             out = tmp_path_factory.mktemp(name)
-            spec["instances"] = [[str(onnx), str(vnnlib), TIMEOUT] for onnx, vnnlib in spec["instances"]]
-            spec["out"] = str(out / "results.pickle")
-            (out / "spec.json").write_text(json.dumps(spec))
-            result = run_isolated([sys.executable, str(WORKER), str(out / "spec.json")], LAUNCH_TIMEOUT_S)
+            specs = []
+            for scenario in batch:
+                spec = dict(scenarios_[scenario])
+                spec["instances"] = [[str(onnx), str(vnnlib), TIMEOUT] for onnx, vnnlib in spec["instances"]]
+                spec["out"] = str(out / f"{scenario}.pickle")
+                specs.append(spec)
+            (out / "spec.json").write_text(json.dumps({"runs": specs}))
+            timeout = LAUNCH_TIMEOUT_S + 60 * (len(specs) - 1)
+            result = run_isolated([sys.executable, str(WORKER), str(out / "spec.json")], timeout)
             assert result.returncode == 0, result.stderr[-6000:]
-            cache[name] = pickle.loads((out / "results.pickle").read_bytes())  # written by this test's worker
-            assert [r.index for r in cache[name]] == list(range(len(spec["instances"])))
+            for scenario, spec in zip(batch, specs, strict=True):
+                cache[scenario] = pickle.loads((out / f"{scenario}.pickle").read_bytes())  # this test's worker's
+                assert [r.index for r in cache[scenario]] == list(range(len(spec["instances"])))
         return cache[name]
 
     return run
