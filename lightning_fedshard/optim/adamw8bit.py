@@ -96,6 +96,15 @@ class AdamW8bit(Optimizer):
             local, p.device_mesh, placements, run_check=False, shape=(per_rank * layout.world,), stride=(1,)
         )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :class:`torch.optim.Optimizer`'s, which casts every floating parameter's state to the parameter's
+        dtype: the 8-bit codes are cast back (they hold integers, so exactly), and a resumed run keeps 8-bit states."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "exp_avg_scale" in state:
+                state["exp_avg"] = state["exp_avg"].to(torch.int8)
+                state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.uint8)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

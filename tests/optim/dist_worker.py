@@ -169,6 +169,11 @@ def run_resume(mesh, make_opt, key: str, ckpt: Path, results: dict) -> None:
         fresh_opt.step()
     resumed = whole(fresh)
     results[key] = {n: torch.equal(resumed[n], uninterrupted[n]) for n in resumed}
+    results[f"{key}_state_dtypes"] = [_state_dtypes(opt), _state_dtypes(fresh_opt)]
+
+
+def _state_dtypes(opt) -> list[str]:
+    return sorted({f"{k}:{v.dtype}" for state in opt.state.values() for k, v in state.items() if k != "step"})
 
 
 def main() -> None:

@@ -70,3 +70,5 @@ def test_adamw8bit_under_fsdp2_is_bit_identical_to_the_same_blocks_in_one_proces
 def test_dcp_resume_reproduces_the_uninterrupted_run(results, optimizer):
     for rank in results:
         assert all(rank[f"resume_{optimizer}"].values()), rank[f"resume_{optimizer}"]
+        uninterrupted, resumed = rank[f"resume_{optimizer}_state_dtypes"]
+        assert resumed == uninterrupted  # DCP's load goes through Optimizer.load_state_dict, which casts states

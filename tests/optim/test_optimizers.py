@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -126,6 +127,40 @@ def test_adamw8bit_tracks_fp32_adamw_on_a_regression_with_a_quarter_of_the_state
     assert fp32_loss < 0.5 * first  # it learns, so tracking it means something
     assert q_loss < 1.15 * fp32_loss + 1e-3, (q_loss, fp32_loss)
     assert q_bytes / fp32_bytes == pytest.approx((2 + 8 / 128) / 8, rel=0.05)
+
+
+def test_adamw8bit_resumes_from_its_state_dict_with_8bit_states_and_the_same_steps():
+    # torch.optim.Optimizer.load_state_dict casts floating parameters' states to the parameter's dtype; the codes
+    # must come back as int8/uint8 (a resumed run would otherwise hold fp32 moments, 4x the memory).
+    def net_and_opt():
+        torch.manual_seed(0)
+        net = nn.Linear(64, 64)
+        return net, AdamW8bit(net.parameters(), lr=1e-2, block_size=32, min_8bit_numel=0)
+
+    def step(net, opt, i):
+        torch.manual_seed(100 + i)
+        net.weight.grad, net.bias.grad = torch.randn_like(net.weight), torch.randn_like(net.bias)
+        opt.step()
+
+    net, opt = net_and_opt()
+    for i in range(2):
+        step(net, opt, i)
+    saved = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    for i in range(2, 4):
+        step(net, opt, i)
+    fresh, fresh_opt = net_and_opt()
+    fresh.load_state_dict(saved[0])
+    fresh_opt.load_state_dict(saved[1])
+    dtypes = {(k, str(v.dtype)) for state in fresh_opt.state.values() for k, v in state.items() if k != "step"}
+    assert dtypes == {
+        ("exp_avg", "torch.int8"),
+        ("exp_avg_sq", "torch.uint8"),
+        ("exp_avg_scale", "torch.float32"),
+        ("exp_avg_sq_scale", "torch.float32"),
+    }
+    for i in range(2, 4):
+        step(fresh, fresh_opt, i)
+    assert torch.equal(fresh.weight, net.weight) and torch.equal(fresh.bias, net.bias)
 
 
 def test_adamw8bit_rejects_bad_arguments():
