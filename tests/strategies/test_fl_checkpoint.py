@@ -30,6 +30,8 @@ BASE = {
 }
 
 
+# the structure-aware inner optimizers (lightning_fedshard.optim), resumed mid-round like AdamW
+STRUCTURED = ("muon", "adamw8bit")
 # ModelCheckpoint's names for the saves at step 8 (right after a sync) and step 6 (mid-round), 2 steps per epoch
 STEP8, STEP6 = "epoch=3-step=8.ckpt", "epoch=2-step=6.ckpt"
 OTHER_MESH = {
@@ -51,6 +53,14 @@ def runs(tmp_path_factory) -> dict[str, object]:
         "first_part": {**BASE, "max_steps": 8, "checkpoint_every": 2, "checkpoint_dir": str(ckpt_dir)},
         "resumed_after_sync": {**BASE, "max_steps": 12, "resume_from": str(ckpt_dir / STEP8)},
         "resumed_mid_round": {**BASE, "max_steps": 12, "resume_from": str(ckpt_dir / STEP6)},
+        **{
+            f"{optimizer}_{part}": {**BASE, "optimizer": optimizer, "max_steps": 12, **extra}
+            for optimizer in STRUCTURED
+            for part, extra in (
+                ("uninterrupted", {"checkpoint_every": 6, "checkpoint_dir": str(root / optimizer)}),
+                ("resumed_mid_round", {"resume_from": str(root / optimizer / STEP6)}),
+            )
+        },
         "other_mesh": {**OTHER_MESH, "resume_from": str(ckpt_dir / STEP8)},
     }
     result = launch({"devices": 4, "runs": [{**cfg, "out": str(root / name)} for name, cfg in plans.items()]}, root)
@@ -85,6 +95,21 @@ def test_resume_reproduces_the_uninterrupted_run(runs, resumed, from_step):
         # the sync phase survives: syncs stay at multiples of sync_every
         assert [s["step"] for s in b["syncs"]] == [s for s in (8, 12) if s > from_step]
         assert b["optimizer_steps"] == 12 and b["syncs_count"] == 3
+
+
+@pytest.mark.parametrize("optimizer", STRUCTURED)
+def test_muon_and_adamw8bit_resume_mid_round_as_the_uninterrupted_run(runs, optimizer):
+    full, resumed = runs[f"{optimizer}_uninterrupted"], runs[f"{optimizer}_resumed_mid_round"]
+    for rank, (a, b) in enumerate(zip(full, resumed, strict=True)):
+        assert b["losses"] == pytest.approx(a["losses"][6:], rel=1e-6, abs=1e-7), f"rank {rank}"
+        for name in a["final"]:
+            torch.testing.assert_close(b["final"][name], a["final"][name], rtol=1e-6, atol=1e-7)
+        # the 8-bit codes come back as int8/uint8 (torch's load_state_dict would have cast them to fp32)
+        assert b["optimizer_state_dtypes"] == a["optimizer_state_dtypes"]
+    if optimizer == "adamw8bit":
+        assert {"exp_avg:torch.int8", "exp_avg_sq:torch.uint8"} <= set(full[0]["optimizer_state_dtypes"])
+    else:
+        assert "momentum_buffer:torch.float32" in full[0]["optimizer_state_dtypes"]
 
 
 def test_mid_round_checkpoint_holds_diverged_groups(runs):

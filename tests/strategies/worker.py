@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_fedshard  # noqa: F401  (registers the strategy names)
+from lightning_fedshard.optim import AdamW8bit, Muon, muon_param_groups
 from lightning_fedshard.strategies.apply import reshard_all
 
 IN_FEATURES = 8
@@ -78,9 +79,14 @@ class Regression(pl.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        if self.cfg.get("optimizer", "sgd") == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=self.cfg["lr"])
-        return torch.optim.SGD(self.parameters(), lr=self.cfg["lr"])
+        name, lr = self.cfg.get("optimizer", "sgd"), self.cfg["lr"]
+        if name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+        if name == "muon":
+            return Muon(muon_param_groups(self.net), lr=lr)
+        if name == "adamw8bit":  # blocks of 32: the 16×16 matrices' shards (128 on 2 ranks) hold whole blocks
+            return AdamW8bit(self.parameters(), lr=lr, block_size=32, min_8bit_numel=0)
+        return torch.optim.SGD(self.parameters(), lr=lr)
 
     def train_dataloader(self):
         dataset = make_dataset(self.cfg.get("num_samples", NUM_SAMPLES))
@@ -237,6 +243,12 @@ def fit(cfg: dict) -> None:
             "syncs_count": trainer.strategy.syncs,
             "fragments": [[names[i] for i in f] for f in strategy._averager.fragments] if strategy._averager else None,
             "fragment_bytes": dict(trainer.strategy.ledger.fragment_totals),
+            "optimizer_state_dtypes": sorted({
+                f"{key}:{value.dtype}"
+                for state in trainer.optimizers[0].state.values()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            }),
         },
         out / f"rank{trainer.global_rank}.pt",
     )
