@@ -118,7 +118,7 @@ def all_reduce(
         transfer = plan_transfer(topology, world_size, chunks.shape[1], tensor.numel(), all_gather=True)
         summed = ring.codec.finish(ring.all_reduce(ring.codec.prepare(chunks, transfer, group)))
         tensor.copy_(summed.reshape(-1)[: tensor.numel()].view_as(tensor))
-        _record(stats, ring, tensor.numel(), transfer)
+        _record(stats, ring, tensor.numel(), transfer, rechunked=chunks.data_ptr() != tensor.data_ptr())
     if reference is not None and stats is not None:
         stats.record_error(_squared_distance(tensor, reference), float(reference.double().square().sum()))
     return tensor
@@ -161,14 +161,12 @@ def reduce_scatter(
         return output
     ring = _Ring.over(make_codec(codec, bits), group, topology)
     n = output.numel()
-    padded = -(-n // ring.codec.block) * ring.codec.block
-    chunks = torch.zeros(world_size, padded, dtype=torch.float32, device=input.device)
-    chunks[:, :n] = input.reshape(world_size, n)
+    chunks = _as_chunks(input, world_size, n, ring.codec.block)
     _agree_finite(ring.codec, chunks, group)
-    transfer = plan_transfer(topology, world_size, padded, input.numel(), all_gather=False)
+    transfer = plan_transfer(topology, world_size, chunks.shape[1], input.numel(), all_gather=False)
     owned = ring.codec.finish(ring.reduce_scatter(ring.codec.prepare(chunks, transfer, group))[None])[0]
     output.copy_(owned[:n].view_as(output))
-    _record(stats, ring, input.numel(), transfer)
+    _record(stats, ring, input.numel(), transfer, rechunked=chunks.data_ptr() != input.data_ptr())
     return output
 
 
@@ -375,10 +373,25 @@ def warm_up(codec: Codec, numel: int, world_size: int, device: torch.device | st
 def _chunks(tensor: Tensor, world_size: int, block: int) -> Tensor:
     """``tensor`` flattened to fp32 and zero-padded into ``world_size`` chunks of a multiple of ``block``."""
     per_rank = -(-tensor.numel() // world_size)
+    if tensor.numel() == world_size * per_rank:
+        return _as_chunks(tensor, world_size, per_rank, block)
     chunk = -(-per_rank // block) * block
     flat = torch.zeros(world_size * chunk, dtype=torch.float32, device=tensor.device)
     flat[: tensor.numel()] = tensor.reshape(-1)
     return flat.view(world_size, chunk)
+
+
+def _as_chunks(tensor: Tensor, world_size: int, chunk: int, block: int) -> Tensor:
+    """``tensor`` (``world_size × chunk`` elements) as ``[world_size, chunk']`` fp32 chunks, ``chunk'`` the next
+    multiple of ``block``. A view, with no copy, when the chunks are already whole blocks of a contiguous fp32
+    tensor: the ring only reads them. Block-aligned shards (``BlockShardPlan``) make FSDP2's reduce-scatter input
+    such a tensor."""
+    if chunk % block == 0 and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        return tensor.view(world_size, chunk)
+    padded = -(-chunk // block) * block
+    chunks = torch.zeros(world_size, padded, dtype=torch.float32, device=tensor.device)
+    chunks[:, :chunk] = tensor.reshape(world_size, chunk)
+    return chunks
 
 
 def _exact(tensor: Tensor, world_size: int, min_numel: int) -> bool:
@@ -418,9 +431,10 @@ def _squared_distance(tensor: Tensor, reference: Tensor) -> float:
     return float((tensor.detach().to(reference.dtype) - reference).square().sum())
 
 
-def _record(stats: CompressionStats | None, ring: _Ring, numel: int, transfer: Transfer) -> None:
+def _record(stats: CompressionStats | None, ring: _Ring, numel: int, transfer: Transfer, rechunked: bool) -> None:
     if stats is not None:
         stats.record(numel, ring.wire_bytes + ring.codec.side_bytes, transfer.reference_coords, compressed=True)
+        stats.rechunked_calls += int(rechunked)
 
 
 def _record_plain(stats: CompressionStats | None, tensor: Tensor, world_size: int, factor: int) -> None:

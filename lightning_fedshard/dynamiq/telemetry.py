@@ -25,6 +25,8 @@ class CompressionStats:
 
     calls: int = 0
     compressed_calls: int = 0
+    #: compressed calls whose input was copied into padded, block-sized chunks (not a view of it)
+    rechunked_calls: int = 0
     numel: int = 0
     wire_bytes: float = 0.0
     reference_coords: float = 0.0

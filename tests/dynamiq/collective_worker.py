@@ -57,6 +57,19 @@ def main(out: Path, device: str = "cpu", codecs: list[str] | None = None) -> Non
         padded = torch.cat([x, x.new_zeros(world * shard.numel() - NUMEL)])
         reduce_scatter(shard, padded, codec=codec, bits=5.0, stats=stats)
         record["reduce_scatter"][codec] = {"result": shard.cpu(), "bits": stats.bits_per_coord}
+    # whole blocks per rank: the view path (no copy into padded chunks) against the same values non-contiguous
+    aligned = x[: world * 4096].clone()
+    strided = aligned.new_empty(2 * aligned.numel())[::2].copy_(aligned)  # equal values, not contiguous
+    record["aligned_reduce_scatter"] = {}
+    for name, given in (("view", aligned), ("copy", strided)):
+        stats = CompressionStats()
+        out_shard = torch.empty(4096, device=device)
+        reduce_scatter(out_shard, given, codec="dynamiq", bits=5.0, min_numel=0, stats=stats)
+        record["aligned_reduce_scatter"][name] = {
+            "result": out_shard.cpu(),
+            "rechunked_calls": stats.rechunked_calls,
+            "input_unchanged": torch.equal(given, x[: world * 4096]),
+        }
     small = x[:1000].clone()
     all_reduce(small, codec="dynamiq")
     exact = x[:1000].clone()

@@ -113,6 +113,15 @@ def test_reduce_scatter_gives_each_rank_its_chunk_of_the_sum(ranks, inputs, code
 
 
 @pytest.mark.multiproc
+def test_a_reduce_scatter_of_whole_blocks_reads_its_input_in_place_with_the_same_bits(ranks) -> None:
+    for r in ranks:
+        view, copy = r["aligned_reduce_scatter"]["view"], r["aligned_reduce_scatter"]["copy"]
+        assert (view["rechunked_calls"], copy["rechunked_calls"]) == (0, 1)
+        assert torch.equal(view["result"], copy["result"])
+        assert view["input_unchanged"] and copy["input_unchanged"]
+
+
+@pytest.mark.multiproc
 def test_small_tensors_fall_back_to_an_exact_all_reduce(ranks) -> None:
     assert all(r["small_fallback_equal"] for r in ranks)
 
