@@ -33,36 +33,47 @@ LAYOUTS = ("fsdp2", "fl_hsdp")
 class OptimizerRun:
     layout: str
     optimizer: str
+    lr: float
     val_loss: float
     tokens_per_s: float
     state_bytes_rank0: float
 
 
-def train_all(out: Path, steps: int, layouts: list[str], optimizers: list[str]) -> list[OptimizerRun]:
+def train_all(
+    out: Path, steps: int, layouts: list[str], optimizers: list[str], lrs: dict[str, float]
+) -> list[OptimizerRun]:
+    """One run per layout and optimizer; ``lrs`` overrides the recipe's learning rate per optimizer."""
     runs = []
     for layout in layouts:
+        recipe = TINY / f"{layout}.yaml"
         for optimizer in optimizers:
-            name = f"{layout}-{optimizer}"
+            lr = lrs.get(optimizer, float(yaml.safe_load(recipe.read_text())["model"]["lr"]))
+            name = f"{layout}-{optimizer}-lr{lr:g}"
             print(f"running {name} ...", flush=True)
             overrides = [
                 f"--model.optimizer={optimizer}",
+                f"--model.lr={lr}",
                 f"--trainer.max_steps={steps}",
                 "--trainer.callbacks+=lightning_fedshard.training.OptimizerStateMonitor",
             ]
-            result = run_recipe(TINY / f"{layout}.yaml", out, overrides, name=name)
+            result = run_recipe(recipe, out, overrides, name=name)
             rows = read_metrics(metrics_path(out, name)).values()
             state = max(r["optimizer/state_bytes"] for r in rows if "optimizer/state_bytes" in r)
-            runs.append(OptimizerRun(layout, optimizer, result.val_curve[-1]["val_loss"], result.tokens_per_s, state))
+            val_loss = result.val_curve[-1]["val_loss"]
+            runs.append(OptimizerRun(layout, optimizer, lr, val_loss, result.tokens_per_s, state))
     return runs
 
 
 def format_runs(runs: list[OptimizerRun]) -> str:
-    header = f"{'layout':<8} {'optimizer':<10} {'val loss':>8} {'tokens/s':>9} {'state B/rank':>13}   ratios to AdamW"
+    header = (
+        f"{'layout':<8} {'optimizer':<10} {'lr':>7} {'val loss':>8} {'tokens/s':>9} {'state B/rank':>13}"
+        "   ratios to AdamW"
+    )
     lines = [header, "-" * (len(header) + 30)]
     for r in runs:
         base = next(b for b in runs if b.layout == r.layout and b.optimizer == "adamw")
         lines.append(
-            f"{r.layout:<8} {r.optimizer:<10} {r.val_loss:>8.4f} {r.tokens_per_s:>9.0f} {r.state_bytes_rank0:>13,.0f}"
+            f"{r.layout:<8} {r.optimizer:<10} {r.lr:>7.1e} {r.val_loss:>8.4f} {r.tokens_per_s:>9.0f} {r.state_bytes_rank0:>13,.0f}"
             f"   loss ×{r.val_loss / base.val_loss:.3f}  tokens/s ×{r.tokens_per_s / base.tokens_per_s:.2f}"
             f"  state ×{r.state_bytes_rank0 / base.state_bytes_rank0:.3f}"
         )
@@ -109,6 +120,19 @@ def print_plans(recipes: list[Path], blocks: list[int]) -> dict:
     return report
 
 
+def _optimizer_lr(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    if name not in OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the optimizer must be one of {', '.join(OPTIMIZERS)}")
+    try:
+        lr = float(value)
+    except ValueError:
+        lr = math.nan
+    if not 0 < lr < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: the learning rate must be a positive number")
+    return name, lr
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fedshard bench optimizers", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", action="store_true", help="only the 8B recipes' shard plans and state bytes")
@@ -116,6 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     parser.add_argument("--blocks", nargs="+", type=int, default=[256, 128], help="block sizes to plan for")
+    parser.add_argument(
+        "--lr",
+        nargs="+",
+        default=[],
+        metavar="OPTIMIZER=LR",
+        type=_optimizer_lr,
+        help="a learning rate per optimizer in place of the recipe's (e.g. muon=2e-2)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-optimizers"))
     args = parser.parse_args(argv)
     if "adamw" not in args.optimizers:
@@ -125,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     plans = print_plans(recipes, args.blocks)
     results: dict = {"plans": plans}
     if not args.plan:
-        runs = train_all(args.out, args.steps, args.layouts, args.optimizers)
+        runs = train_all(args.out, args.steps, args.layouts, args.optimizers, dict(args.lr))
         print("\n" + format_runs(runs))
         results["runs"] = [asdict(r) for r in runs]
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_fedshard.bench.optimizers import OptimizerRun, format_runs, state_bytes_per_gpu
@@ -29,11 +30,21 @@ def test_state_bytes_from_the_plan_are_what_the_optimizers_allocate():
 
 def test_the_table_gives_ratios_to_adamw_of_the_same_layout():
     runs = [
-        OptimizerRun("fsdp2", "adamw", 2.0, 1000.0, 800.0),
-        OptimizerRun("fsdp2", "muon", 1.8, 900.0, 500.0),
-        OptimizerRun("fl_hsdp", "adamw", 2.2, 2000.0, 1600.0),
-        OptimizerRun("fl_hsdp", "adamw8bit", 2.2, 1000.0, 400.0),
+        OptimizerRun("fsdp2", "adamw", 3e-3, 2.0, 1000.0, 800.0),
+        OptimizerRun("fsdp2", "muon", 2e-2, 1.8, 900.0, 500.0),
+        OptimizerRun("fl_hsdp", "adamw", 3e-3, 2.2, 2000.0, 1600.0),
+        OptimizerRun("fl_hsdp", "adamw8bit", 3e-3, 2.2, 1000.0, 400.0),
     ]
     table = format_runs(runs).splitlines()
     assert "loss ×0.900  tokens/s ×0.90  state ×0.625" in table[3]
     assert "loss ×1.000  tokens/s ×0.50  state ×0.250" in table[5]
+    assert table[3].split()[:3] == ["fsdp2", "muon", "2.0e-02"]
+
+
+def test_the_lr_option_names_an_optimizer_and_a_positive_rate(capsys):
+    from lightning_fedshard.bench.optimizers import main
+
+    for bad in ("sgd=1e-2", "muon=fast", "muon=-1", "muon"):
+        with pytest.raises(SystemExit):
+            main(["--lr", bad])
+        assert "--lr" in capsys.readouterr().err
