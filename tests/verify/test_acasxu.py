@@ -79,8 +79,9 @@ def test_the_timeout_holds_for_the_whole_process(tmp_path):
         str(ACASXU / "vnnlib" / "prop_2.vnnlib"),
     ]
     start = time.monotonic()
-    done = run_isolated([*command, "--timeout", "12", "--result", str(out)], timeout=60)
+    # 20 s: the interpreter's start-up (torch, lightning, onnx imports) takes 10–13 s of it on a quiet 2-core machine
+    done = run_isolated([*command, "--timeout", "20", "--result", str(out)], timeout=60)
     wall = time.monotonic() - start
     assert done.returncode == 0, done.stderr
     assert out.read_text().strip() in ("timeout", "unsat")
-    assert wall <= 12 + 2, f"the process took {wall:.1f} s"
+    assert wall <= 20 + 2, f"the process took {wall:.1f} s"
