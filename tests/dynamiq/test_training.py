@@ -42,18 +42,27 @@ DDP_CASES = {
 }
 
 
+# the cases only the benchmarks (-m slow) need; the others share one launch (the interpreters start once)
+SLOW_ONLY = {"ddp_dynamiq"}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     cache: dict[str, list[dict]] = {}
 
     def launch(name: str) -> list[dict]:
         if name not in cache:
-            out = tmp_path_factory.mktemp(name)
-            cfg = {"devices": 4, "max_steps": STEPS, "lr": 0.05, "out": str(out), **DDP_CASES[name]}
-            (out / "config.json").write_text(json.dumps(cfg))
-            result = run_isolated([sys.executable, str(WORKER), str(out / "config.json")])
+            names = [name] if name in SLOW_ONLY else [n for n in DDP_CASES if n not in SLOW_ONLY | cache.keys()]
+            root = tmp_path_factory.mktemp(name)
+            runs = []
+            for each in names:
+                (root / each).mkdir()
+                runs.append({"devices": 4, "max_steps": STEPS, "lr": 0.05, "out": str(root / each), **DDP_CASES[each]})
+            (root / "config.json").write_text(json.dumps({"runs": runs}))
+            result = run_isolated([sys.executable, str(WORKER), str(root / "config.json")], timeout=300 + 60 * len(runs))
             assert result.returncode == 0, result.stderr[-6000:]
-            cache[name] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+            for each in names:
+                cache[each] = [torch.load(root / each / f"rank{r}.pt", weights_only=False) for r in range(4)]
         return cache[name]
 
     return launch

@@ -1,5 +1,6 @@
-"""A short training run with compressed communication; launched by the tests as a script (Lightning spawns
-the other ranks). Usage: python train_worker.py CONFIG.json — each rank writes ``<out>/rank<r>.pt``."""
+"""Short training runs with compressed communication; launched by the tests as a script (Lightning spawns
+the other ranks). Usage: python train_worker.py CONFIG.json — each rank writes ``<out>/rank<r>.pt``; a config
+with ``"runs": [cfg, ...]`` fits each in turn in the same processes (each with its own ``out``)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ def make_strategy(cfg: dict):
 
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    for run in cfg.get("runs", [cfg]):  # the first fit spawns the other ranks; the later ones find them running
+        fit(run)
+
+
+def fit(cfg: dict) -> None:
     plugins = [DynamiQ(**cfg["plugin"])] if cfg.get("plugin") else None
     recorder = MetricRecorder()
     module = Regression(cfg)
