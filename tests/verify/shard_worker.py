@@ -154,4 +154,6 @@ def _free_port() -> int:
 
 if __name__ == "__main__":
     out_dir, world, with_bab, plans = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:] or list(PLANS)
-    mp.start_processes(_rank, args=(world, _free_port(), out_dir, with_bab, plans), nprocs=world, start_method="spawn")
+    # fork: the ranks inherit this interpreter's imports (~10 s of CPU each under spawn, most of a launch on 2
+    # cores); nothing has run a kernel or started a thread pool yet, and the ranks use the CPU and gloo only
+    mp.start_processes(_rank, args=(world, _free_port(), out_dir, with_bab, plans), nprocs=world, start_method="fork")
