@@ -16,8 +16,12 @@ QUICK = {
 }
 
 
-# a third launch repeats the second to catch an intermittent abort at exit: with the benchmarks (-m slow)
-@pytest.mark.parametrize("launcher", ["lightning", "torchrun", pytest.param("torchrun-again", marks=pytest.mark.slow)])
+# torchrun reports every rank's status (Lightning's launcher only its own, and every Lightning-launched test checks
+# that); the Lightning launch and a repeat that catches an intermittent abort at exit: with the benchmarks (-m slow)
+@pytest.mark.parametrize(
+    "launcher",
+    [pytest.param("lightning", marks=pytest.mark.slow), "torchrun", pytest.param("torchrun-again", marks=pytest.mark.slow)],
+)
 def test_repeated_launches_exit_with_status_zero(tmp_path, launcher):
     # torchrun reports every rank's exit status, so an abort after a successful run fails the launch
     result = launch(QUICK, tmp_path, torchrun=launcher.startswith("torchrun"))
