@@ -41,7 +41,7 @@ def fl_hsdp_run(tmp_path_factory):
     checkpoints = [
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={out / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=12",
+        "--trainer.callbacks.every_n_train_steps=20",
         "--trainer.callbacks.save_top_k=-1",
     ]
     return out, *fit("fl_hsdp", out, *checkpoints)
@@ -98,13 +98,13 @@ def test_fl_hsdp_logs_throughput_perplexity_and_bytes(fl_hsdp_run):
 
 def test_resume_continues_with_the_same_samples_and_losses(fl_hsdp_run, tmp_path):
     out, ranks, _ = fl_hsdp_run
-    (checkpoint,) = (out / "ckpt").glob("*step=12*")  # mid-round: the last sync was at step 8
+    (checkpoint,) = (out / "ckpt").glob("*step=20*")  # mid-round: the last sync was at step 16
     resumed, _ = fit("fl_hsdp", tmp_path, f"--ckpt_path={checkpoint}")
     for full, part in zip(ranks, resumed, strict=True):
-        assert part["steps"][0] == 13
-        for a, b in zip(full["batch_heads"][12:], part["batch_heads"], strict=True):
+        assert part["steps"][0] == 21
+        for a, b in zip(full["batch_heads"][20:], part["batch_heads"], strict=True):
             assert torch.equal(a, b)
-        assert part["losses"] == pytest.approx(full["losses"][12:], rel=1e-5)
+        assert part["losses"] == pytest.approx(full["losses"][20:], rel=1e-5)
         for name, shard in full["final_shards"].items():
             torch.testing.assert_close(part["final_shards"][name], shard, rtol=1e-5, atol=1e-6)
 
