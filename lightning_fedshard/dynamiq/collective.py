@@ -373,9 +373,9 @@ def warm_up(codec: Codec, numel: int, world_size: int, device: torch.device | st
 def _chunks(tensor: Tensor, world_size: int, block: int) -> Tensor:
     """``tensor`` flattened to fp32 and zero-padded into ``world_size`` chunks of a multiple of ``block``."""
     per_rank = -(-tensor.numel() // world_size)
-    if tensor.numel() == world_size * per_rank:
-        return _as_chunks(tensor, world_size, per_rank, block)
     chunk = -(-per_rank // block) * block
+    if tensor.numel() == world_size * chunk:  # no padding: the chunks are a view of the tensor, or its fp32 copy
+        return _as_chunks(tensor, world_size, chunk, block)
     flat = torch.zeros(world_size * chunk, dtype=torch.float32, device=tensor.device)
     flat[: tensor.numel()] = tensor.reshape(-1)
     return flat.view(world_size, chunk)

@@ -141,3 +141,13 @@ def test_butterfly_plan_halves_then_doubles() -> None:
         plan_transfer("butterfly", 6, 256, 1000, all_gather=True)
     with pytest.raises(ValueError, match="Unknown topology"):
         plan_transfer("tree", 4, 256, 1000, all_gather=True)
+
+
+@pytest.mark.parametrize("numel", [WORLD * 256 * 3, WORLD * 300, WORLD * 300 + 1], ids=["whole-blocks", "even", "odd"])
+def test_all_reduce_of_any_length_sums_and_leaves_its_inputs(numel) -> None:
+    # whole blocks per rank: the chunks are views of the inputs; otherwise padded copies, padding only at the end
+    inputs = [rank_input(r, numel) for r in range(WORLD)]
+    given = [x.clone() for x in inputs]
+    summed, _ = simulate_all_reduce(inputs, codec="dynamiq", bits=5.0)
+    assert vnmse(summed, sum(x.double() for x in given)) <= MAX_VNMSE["dynamiq"]
+    assert all(torch.equal(a, b) for a, b in zip(inputs, given, strict=True))
