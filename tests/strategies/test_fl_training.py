@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from tests.strategies.conftest import share_launch
-from tests.strategies.worker import make_dataset, random_model
+from tests.strategies.worker import make_dataset, make_optimizer, random_model
 
 pytestmark = pytest.mark.multiproc
 
@@ -73,7 +73,13 @@ FSDP2 = {
     "validate_after_fit": True,
 }
 HSDP = {**FSDP2, "strategy": "hsdp", "strategy_kwargs": {"shard_size": 2, "auto_wrap": AUTO_WRAP}}
-share_launch(FL_FSDP, FL_FSDP_EVERY_STEP, FL_FSDP_BF16_ACCUMULATE, FSDP2, HSDP, FL_HSDP, FL_HSDP_LEADER_DILOCO)
+# the structure-aware optimizers (lightning_fedshard.optim) from configure_optimizers, one group
+MUON_HSDP = {**HSDP, "optimizer": "muon", "limit_val_batches": 0}
+ADAMW8BIT_FSDP2 = {**FSDP2, "optimizer": "adamw8bit", "limit_val_batches": 0}
+share_launch(
+    FL_FSDP, FL_FSDP_EVERY_STEP, FL_FSDP_BF16_ACCUMULATE, FSDP2, HSDP, MUON_HSDP, ADAMW8BIT_FSDP2, FL_HSDP,
+    FL_HSDP_LEADER_DILOCO,
+)  # fmt: skip
 
 
 # ---- independent references ---------------------------------------------------------------------
@@ -190,6 +196,24 @@ def test_one_group_equals_a_single_process_sgd_reference(run_worker, cfg):
         x, y = make_dataset()[list(range(world * 2 * 64))]
         expected = nn.functional.mse_loss(reference(x), y).item()
         assert ranks[0]["validated"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+# Muon: the same Newton–Schulz on the owner's gathered matrix, so float rounding only; AdamW8bit: the same blocks, but
+# a gradient one rounding away can move a code by one step (lr · scale/127 / √v ≈ 4e-4 here)
+@pytest.mark.parametrize(("cfg", "atol"), [(MUON_HSDP, 1e-6), (ADAMW8BIT_FSDP2, 1e-3)], ids=["muon-hsdp", "adamw8bit-fsdp2"])
+def test_muon_and_adamw8bit_in_one_group_equal_a_single_process_run(run_worker, cfg, atol):
+    ranks = run_worker(cfg)
+    world = cfg["devices"]
+    reference = initial_model(ranks[0]["initial"])
+    optimizer = make_optimizer(cfg["optimizer"], reference, LR)
+    for step in range(cfg["max_steps"]):
+        x, y = make_dataset()[[i for r in range(world) for i in rank_batch(r, step, world)]]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+        for record in ranks:
+            assert_params_close(record["params"][step], named(reference), rtol=1e-5, atol=atol)
+    assert differ(ranks[0]["params"][-1], ranks[0]["initial"])
 
 
 def test_sync_every_step_equals_the_average_of_the_groups_models(run_worker):

@@ -79,14 +79,7 @@ class Regression(pl.LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        name, lr = self.cfg.get("optimizer", "sgd"), self.cfg["lr"]
-        if name == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=lr)
-        if name == "muon":
-            return Muon(muon_param_groups(self.net), lr=lr)
-        if name == "adamw8bit":  # blocks of 32: the 16×16 matrices' shards (128 on 2 ranks) hold whole blocks
-            return AdamW8bit(self.parameters(), lr=lr, block_size=32, min_8bit_numel=0)
-        return torch.optim.SGD(self.parameters(), lr=lr)
+        return make_optimizer(self.cfg.get("optimizer", "sgd"), self.net, self.cfg["lr"])
 
     def train_dataloader(self):
         dataset = make_dataset(self.cfg.get("num_samples", NUM_SAMPLES))
@@ -94,6 +87,19 @@ class Regression(pl.LightningModule):
 
     def val_dataloader(self):
         return DataLoader(make_dataset(), batch_size=64, shuffle=False)
+
+
+def make_optimizer(name: str, net: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The run's optimizer; the tests build their single-process references with it too."""
+    if name == "adamw":
+        return torch.optim.AdamW(net.parameters(), lr=lr)
+    if name == "muon":
+        return Muon(muon_param_groups(net), lr=lr)
+    if name == "adamw8bit":
+        # blocks of 32 and 8-bit moments for the weights of 128 and 256 elements: on 2 or 4 shards each rank holds
+        # whole blocks of the whole tensor's (biases and the 1×16 head keep fp32 moments)
+        return AdamW8bit(net.parameters(), lr=lr, block_size=32, min_8bit_numel=64)
+    return torch.optim.SGD(net.parameters(), lr=lr)
 
 
 def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
