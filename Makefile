@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/fedshard demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # PYTHON given on the command line, else the project's venv where there is one (here), else the machine's own
 # python3 (the GPU machine's torch build)
