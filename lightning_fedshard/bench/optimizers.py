@@ -46,8 +46,9 @@ def train_all(
     runs = []
     for layout in layouts:
         recipe = TINY / f"{layout}.yaml"
+        recipe_lr = float(yaml.safe_load(recipe.read_text())["model"]["lr"])
         for optimizer in optimizers:
-            lr = lrs.get(optimizer, float(yaml.safe_load(recipe.read_text())["model"]["lr"]))
+            lr = lrs.get(optimizer, recipe_lr)
             name = f"{layout}-{optimizer}-lr{lr:g}"
             print(f"running {name} ...", flush=True)
             overrides = [
