@@ -8,37 +8,35 @@ first hop's, because its error would otherwise grow with the number of hops (res
 the finished sum that the all-gather forwards gets the base rate. ``prepare`` picks the largest
 base rate for which all messages of the collective fit in ``bits`` per coordinate.
 
-On CPU the heavy steps (group maxima, quantise + pack, unpack + dequantise + add) are compiled with
-``torch.compile`` for chunks of at least ``COMPILE_MIN_NUMEL`` coordinates, where a C++ compiler is
-present (``FEDSHARD_DYNAMIQ_COMPILE=0`` turns it off); compiled and eager code give the same bytes.
+On CPU, encode and decode(-and-add) run in the C kernels of ``cpu_kernels`` where a C compiler is present
+(``FEDSHARD_DYNAMIQ_COMPILE=0`` turns them off); they give the bytes of the torch functions below, which
+run everywhere else and are the reference.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
-import os
-import shutil
 import threading
-import warnings
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_fedshard.dynamiq import cpu_kernels
 from lightning_fedshard.dynamiq.bitpack import view_bytes_as
 from lightning_fedshard.dynamiq.codec import Codec, Transfer, check_finite, register_codec
 from lightning_fedshard.dynamiq.dynamiq_format import (
     GROUP,
     GROUPS_PER_SG,
+    MANTISSA_STEPS,
     MAX_WIDTH,
     SIDE_BYTES_PER_SG,
     SUPER_GROUP,
     dither,
     dither_key,
     hash_uniform,
+    check_message_size,
     level_count,
     message_fields,
     message_header,
@@ -47,7 +45,7 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
     split_message,
 )
 
-__all__ = ["COMPILE_MIN_NUMEL", "MAX_BITS", "DynamiQCodec"]
+__all__ = ["MAX_BITS", "DynamiQCodec"]
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _MIN_BASE = 8  # payload bits per group of 32 = one bit per coordinate on average
@@ -55,8 +53,6 @@ _SIDE_BITS = 8 * SIDE_BYTES_PER_SG / SUPER_GROUP  # per coordinate
 #: The rate of a message whose every group has the widest codes (8 bits): more bits would buy nothing.
 MAX_BITS = MAX_WIDTH + _SIDE_BITS
 _MIN_BITS = _MIN_BASE / 8 + _SIDE_BITS
-#: Chunks at least this long run through the compiled kernels on CPU (shorter ones are not worth a dispatch).
-COMPILE_MIN_NUMEL = 1 << 16
 
 
 class DynamiQCodec(Codec):
@@ -142,13 +138,12 @@ class DynamiQCodec(Codec):
         u = dither(seed, numel, device)
         return 1.0 - u if antithetic else u
 
-    def _rounding_key(self, summands: int, device: torch.device) -> tuple[Tensor | None, bool]:
-        """The dither's key as a tensor (so compiled kernels take new seeds without recompiling) and whether
-        it is antithetic; ``None`` for rounding to nearest."""
+    def _rounding_key(self, summands: int) -> tuple[int | None, bool]:
+        """The dither's key and whether it is antithetic; ``None`` for rounding to nearest."""
         if self.rounding != "stochastic":
             return None, False
         seed, antithetic = self._dither_params(summands)
-        return torch.tensor(dither_key(seed), dtype=torch.int64, device=device), antithetic
+        return dither_key(seed), antithetic
 
     def _scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A buffer reused across calls: a fresh gradient-sized allocation per hop costs more in page faults
@@ -160,33 +155,45 @@ class DynamiQCodec(Codec):
 
     def encode(self, x: Tensor, summands: int) -> Tensor:
         x = x.detach().to(torch.float32).reshape(-1)
-        return self._encode_with_max(x, _kernel(group_max_of, x)(x), summands)
+        if self._in_c(x):
+            group_max = cpu_kernels.group_max(x, self._scratch("maxima", x.numel() // GROUP, torch.float32, x.device))
+        else:
+            group_max = group_max_of(x)
+        return self._encode_with_max(x, group_max, summands)
+
+    def _in_c(self, x: Tensor) -> bool:
+        """Whether ``x``'s chunk runs through the C kernels (CPU, where they built and are not turned off)."""
+        return x.device.type == "cpu" and cpu_kernels.library() is not None
 
     def _encode_with_max(self, x: Tensor, group_max: Tensor, summands: int) -> Tensor:
         check_finite(group_max, self.name)  # a NaN or Inf anywhere shows in its group's max
         table = self._table(x.device)
         budget = self.payload_bits(summands) * (group_max.numel() // GROUPS_PER_SG)
-        # the budget as a tensor: compiled code specialised on its value would recompile for every hop
-        budget_t = torch.tensor(budget, device=x.device)
-        sg_scale, log_scales, widths = _kernel(message_fields, x)(group_max, budget_t, table)
-        key, antithetic = self._rounding_key(summands, x.device)
+        key, antithetic = self._rounding_key(summands)
+        if self._in_c(x):
+            groups = group_max.numel()
+            scratch = (
+                self._scratch("widths", groups, torch.int32, x.device),
+                self._scratch("keys", groups, torch.int64, x.device),
+            )
+            return cpu_kernels.encode(x, group_max, budget, table, MANTISSA_STEPS, key, antithetic, scratch)
+        sg_scale, log_scales, widths = message_fields(group_max, budget, table)
         codes = self._scratch("codes", x.numel(), torch.int32, x.device).view(-1, GROUP)
-        _kernel(quantize, x)(x.view(-1, GROUP), sg_scale, log_scales, widths, table, key, antithetic, codes)
+        key_t = None if key is None else torch.tensor(key, dtype=torch.int64, device=x.device)
+        quantize(x.view(-1, GROUP), sg_scale, log_scales, widths, table, key_t, antithetic, codes)
         planes = self._scratch("planes", x.numel() // 4, torch.int32, x.device).view(-1, MAX_WIDTH)
         slots = self._scratch("slots", x.numel() // 4, torch.int64, x.device).view(-1, MAX_WIDTH)
-        _kernel(bit_planes, x)(codes, planes)
-        _kernel(plane_slots, x)(widths, budget_t, slots)
+        bit_planes(codes, planes)
+        plane_slots(widths, budget, slots)
         header = message_header(sg_scale, log_scales, widths)
         side = header.numel()
-        # one spare word after the payload takes the planes groups do not have (see pack_planes)
+        # one spare word after the payload takes the planes groups do not have (see plane_slots)
         buffer = torch.empty(side + 4 * (budget + 1), dtype=torch.uint8, device=x.device)
         buffer[:side] = header
         aligned = side % 4 == 0
         words = (
             buffer[side:].view(torch.int32) if aligned else torch.empty(budget + 1, dtype=torch.int32, device=x.device)
         )
-        # intermediates live in reused buffers, and the scatter runs on its own: fused with the planes in one
-        # compiled graph, its inputs would be fresh allocations on every call
         words.zero_().scatter_(0, slots.view(-1), planes.view(-1))
         if not aligned:
             buffer[side:] = words.view(torch.uint8)
@@ -203,7 +210,7 @@ class DynamiQCodec(Codec):
             return super().accumulate(msg, local, summands)
         numel = local.numel()
         total = self._scratch("total", numel, torch.float32, local.device)
-        group_max = self._decode_into(msg, numel, summands, local.detach().reshape(-1), total)
+        group_max = self._decode_into(msg, numel, summands, local.detach().reshape(-1).to(torch.float32), total)
         return self._encode_with_max(total, group_max, summands + 1)
 
     def decode(self, msg: Tensor, numel: int, summands: int) -> Tensor:
@@ -214,29 +221,29 @@ class DynamiQCodec(Codec):
     def _decode_into(self, msg: Tensor, numel: int, summands: int, local: Tensor | None, out: Tensor) -> Tensor:
         """Writes ``decode(msg) (+ local)`` into ``out``; returns its group maxima."""
         budget = self.payload_bits(summands) * (numel // SUPER_GROUP)
+        table = self._table(msg.device)
+        stochastic = self.rounding == "stochastic"
+        if self._in_c(out):
+            check_message_size(msg, numel, budget)
+            # the maxima of a sum are read by the encode that follows: a reused buffer
+            maxima = self._scratch("maxima", numel // GROUP, torch.float32, out.device) if local is not None else None
+            return cpu_kernels.decode_into(msg.contiguous(), budget, table, stochastic, local, out, maxima)
         sg_scale, log_scales, widths, payload = split_message(msg, numel, budget)
-        # the payload in a buffer of the largest budget, its last word a zero: the compiled kernel then has one
-        # shape for every hop (the budget grows with the summands)
+        # the payload followed by zero words, which the planes a group lacks read
         words = self._scratch("received", numel // GROUP * MAX_WIDTH + 1, torch.int32, msg.device)
         words[-1] = 0  # no budget reaches it (at most 8 words per group)
         words[:budget] = view_bytes_as(payload, torch.int32)
-        table = self._table(msg.device)
-        stochastic = self.rounding == "stochastic"
-        return _kernel(decode_add, out)(words, sg_scale, log_scales, widths, table, local, stochastic, out)
+        return decode_add(words, sg_scale, log_scales, widths, table, local, stochastic, out)
 
     def warm_up(self, numel: int, device: torch.device | str = "cpu") -> None:
-        """Compiles the CPU kernels for chunks of ``numel`` coordinates now (a few seconds per size, once per
-        process), so that the first collective does not pay for it. A no-op where they would not compile."""
-        reference = torch.empty(0, device=device)
-        if _kernel(decode_add, reference, numel) is decode_add:
-            return
-        zeros = torch.zeros(numel, device=device)
-        self.decode(self.accumulate(self.encode(zeros, 1), zeros, 1), numel, 2)  # every kernel; no state changes
+        """Builds (or loads) the C kernels now, so that the first collective does not wait for the compiler."""
+        if torch.device(device).type == "cpu":
+            cpu_kernels.library()
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-# Pure tensor functions, compiled on CPU for long chunks (``_kernel``). Integer bit work is done in int32
-# (32 coordinates per plane word); every float operation is the reference's, in its order.
+# Pure tensor functions: the reference, which cpu_kernels.c follows to the bit. Integer bit work is done in int32
+# (32 coordinates per plane word).
 _PLANES = torch.arange(MAX_WIDTH, dtype=torch.int32)
 _LANES = torch.arange(GROUP, dtype=torch.int32)
 
@@ -329,43 +336,6 @@ def decode_add(
         values = values + local.to(torch.float32)
     out.copy_(values)
     return values.view(-1, GROUP).abs().amax(dim=-1)
-
-
-def _compile_enabled() -> bool:
-    setting = os.environ.get("FEDSHARD_DYNAMIQ_COMPILE", "auto").lower()
-    if setting in ("0", "off", "false", "no"):
-        return False
-    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))
-
-
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=False)
-
-
-_compile_failed: list[BaseException] = []
-
-
-def _kernel(fn: Callable, reference: Tensor, numel: int | None = None) -> Callable:
-    """``fn`` compiled for long CPU chunks where a compiler is present, else ``fn`` itself. If compiling fails
-    (a broken tool chain) the eager function is used from then on, after one warning."""
-    numel = reference.numel() if numel is None else numel
-    if reference.device.type != "cpu" or numel < COMPILE_MIN_NUMEL or _compile_failed or not _compile_enabled():
-        return fn
-    if threading.current_thread() is not threading.main_thread():
-        return fn  # dynamo compiles from one thread; simulate_all_reduce's rank threads run eager
-
-    def run(*args):
-        try:
-            # always without autograd: compiled code is specialised on the grad mode, and callers differ in it
-            with torch.no_grad():
-                return _compiled(fn)(*args)
-        except torch._dynamo.exc.TorchDynamoException as error:  # no working compiler: run eager
-            _compile_failed.append(error)
-            warnings.warn(f"DynamiQ: torch.compile failed ({error!r:.200}); using the eager codec.", stacklevel=2)
-            return fn(*args)
-
-    return run
 
 
 register_codec("dynamiq", lambda bits: DynamiQCodec(bits))

@@ -45,12 +45,14 @@ from lightning_fedshard.dynamiq.bitpack import as_bytes, pack_bits_fast, unpack_
 __all__ = [
     "GROUP",
     "GROUPS_PER_SG",
+    "MANTISSA_STEPS",
     "MAX_WIDTH",
     "SCALE_STEPS",
     "SIDE_BYTES_PER_SG",
     "SUPER_GROUP",
     "WIDTHS",
     "allocate_widths",
+    "check_message_size",
     "dither",
     "dither_key",
     "group_log_scales",
@@ -147,11 +149,12 @@ def log2_eighths(x: Tensor) -> Tensor:
     bits = x.contiguous().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
-    eighths = (mantissa[..., None] >= _MANTISSA_STEPS.to(x.device)).sum(dim=-1)
+    eighths = (mantissa[..., None] >= MANTISSA_STEPS.to(x.device)).sum(dim=-1)
     return 8 * exponent.to(torch.int64) + eighths
 
 
-_MANTISSA_STEPS = torch.tensor([2.0 ** (k / 8) for k in range(1, 8)], dtype=torch.float32)
+#: ``2^(k/8)`` for k = 1..7 in fp32: the mantissa thresholds of ``log2_eighths``.
+MANTISSA_STEPS = torch.tensor([2.0 ** (k / 8) for k in range(1, 8)], dtype=torch.float32)
 _KEYS = 2048
 # Water levels below every key leave all groups at the maximum width.
 _LEVEL_OFFSET = 8 * (MAX_WIDTH - 2)
@@ -190,18 +193,23 @@ def _widths_at(keys: Tensor, active: Tensor, level: Tensor) -> Tensor:
 
 def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The four fields of a message: SG scales, group log-scales, group widths and the payload bytes."""
+    check_message_size(msg, numel, budget)
     sgs, groups = numel // SUPER_GROUP, numel // GROUP
-    expected = sgs * SIDE_BYTES_PER_SG + 4 * budget
-    if msg.numel() != expected:
-        raise ValueError(
-            f"DynamiQ message of {msg.numel()} bytes; {numel} coordinates at {budget} width units need {expected}."
-        )
     ends = (4 * sgs, 4 * sgs + groups, 4 * sgs + groups + 3 * groups // 8)
     sg_scale = view_bytes_as(msg[: ends[0]], torch.float32)
     log_scales = msg[ends[0] : ends[1]].to(torch.int64)
     width_codes = unpack_bits_fast(msg[ends[1] : ends[2]], 3, groups)
     widths = torch.tensor(WIDTHS, device=msg.device)[width_codes.long()]
     return sg_scale, log_scales, widths, msg[ends[2] :]
+
+
+def check_message_size(msg: Tensor, numel: int, budget: int) -> None:
+    """Raises unless ``msg`` has the size of ``numel`` coordinates at ``budget`` width units."""
+    expected = numel // SUPER_GROUP * SIDE_BYTES_PER_SG + 4 * budget
+    if msg.numel() != expected:
+        raise ValueError(
+            f"DynamiQ message of {msg.numel()} bytes; {numel} coordinates at {budget} width units need {expected}."
+        )
 
 
 def payload_offsets(widths: Tensor) -> Tensor:

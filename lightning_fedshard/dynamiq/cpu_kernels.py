@@ -1,0 +1,196 @@
+"""DynamiQ's CPU kernels (``cpu_kernels.c``): built once per machine with the C compiler found here, loaded
+through ``ctypes``, and called on the tensors' memory. They give the bytes of the torch functions in
+``dynamiq_format`` and ``dynamiq_codec`` (the reference, and the fallback where no compiler is present or
+``FEDSHARD_DYNAMIQ_COMPILE=0``).
+
+The shared library is cached under ``$FEDSHARD_CACHE_DIR`` (default ``~/.cache/lightning_fedshard``), named
+by a hash of the source, the compiler, its flags and the CPU's features, so a change of any of them builds
+anew and machines sharing a home directory never load each other's ``-march=native`` code.
+
+Example::
+
+    from lightning_fedshard.dynamiq import cpu_kernels
+
+    if cpu_kernels.library() is not None:
+        maxima = cpu_kernels.group_max(x)               # x: fp32 CPU, numel a multiple of 256
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["decode_into", "encode", "group_max", "library"]
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# -ffp-contract=off: no fused multiply-adds, so every float rounds as the torch reference's does; no trapping
+# math and no errno: they change no result and let float-to-int conversion and floor vectorise
+_FLAGS = (
+    "-O3", "-std=c11", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fno-strict-aliasing",
+    "-fPIC", "-shared",
+)  # fmt: skip
+_TUNINGS = (("-march=native", "-mprefer-vector-width=512"), ())  # the second where the first does not build
+_GROUP, _GROUPS_PER_SG, _SIDE_BYTES_PER_SG = 32, 8, 15
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "dq_group_max": ((_P, _I64, _P), None),
+    "dq_encode": ((_P, _P, _I64, _I64, _P, _P, _INT, _I64, _INT, _P, _P, _P), None),
+    "dq_decode": ((_P, _I64, _I64, _P, _INT, _P, _P, _P), _INT),
+}
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or ``None`` where they are turned off or cannot be built (then a warning, once)."""
+    setting = os.environ.get("FEDSHARD_DYNAMIQ_COMPILE", "auto").lower()
+    return None if setting in ("0", "off", "false", "no") else _load()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    if compiler is None:
+        return None
+    errors = []
+    for tuning in _TUNINGS:
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, (*_FLAGS, *tuning))))
+        except (OSError, subprocess.SubprocessError) as error:
+            errors.append(f"{' '.join(tuning) or 'portable'}: {str(error)[-300:]}")
+            continue
+        for name, (arguments, result) in _SIGNATURES.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = arguments, result
+        return lib
+    warnings.warn(f"DynamiQ: the CPU kernels did not build ({'; '.join(errors)}); using torch.", stacklevel=3)
+    return None
+
+
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (compiler, version, *flags, _cpu_features())) + _SOURCE.read_bytes()
+    ).hexdigest()[:20]
+    directory = _cache_dir()
+    target = directory / f"dynamiq_cpu_{key}.so"
+    if target.exists():
+        return target
+    # built under a temporary name and renamed: processes building at once never load a half-written file
+    handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+    os.close(handle)
+    try:
+        subprocess.run(
+            [compiler, *flags, str(_SOURCE), "-o", partial, "-lm"], check=True, capture_output=True, timeout=120
+        )
+        os.replace(partial, target)
+    except subprocess.CalledProcessError as error:
+        raise subprocess.SubprocessError(error.stderr.decode(errors="replace")) from error
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    return target
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_fedshard"
+    for directory in (Path(os.environ.get("FEDSHARD_CACHE_DIR") or default), Path(tempfile.gettempdir())):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                return directory
+        except OSError:
+            continue
+    raise OSError("no writable cache directory for the DynamiQ CPU kernels")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _address(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(x: Tensor, dtype: torch.dtype, what: str) -> None:
+    if x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous():
+        raise ValueError(
+            f"DynamiQ CPU kernels: {what} must be a contiguous {dtype} CPU tensor, got {x.dtype} on {x.device}"
+        )
+
+
+def group_max(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """Max |x| of each group of 32 of fp32 ``x`` (a NaN wins, as in ``torch.amax``)."""
+    _check(x, torch.float32, "x")
+    out = torch.empty(x.numel() // _GROUP, dtype=torch.float32) if out is None else out
+    library().dq_group_max(x.data_ptr(), out.numel(), out.data_ptr())
+    return out
+
+
+def encode(
+    x: Tensor,
+    maxima: Tensor,
+    budget: int,
+    table: Tensor,
+    mantissa_steps: Tensor,
+    key: int | None,
+    antithetic: bool,
+    scratch: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """The message of fp32 ``x`` whose group maxima are ``maxima``, spending ``budget`` payload width units;
+    ``key`` is the stochastic-rounding dither's (``None``: to nearest). ``scratch``: an int32 and an int64 tensor
+    of one element per group, reused across calls (fresh ones otherwise)."""
+    for t, what in ((x, "x"), (maxima, "group maxima"), (table, "scale table"), (mantissa_steps, "mantissa steps")):
+        _check(t, torch.float32, what)
+    groups = x.numel() // _GROUP
+    msg = torch.empty(groups // _GROUPS_PER_SG * _SIDE_BYTES_PER_SG + 4 * budget, dtype=torch.uint8)
+    widths, keys = scratch or (torch.empty(groups, dtype=torch.int32), torch.empty(groups, dtype=torch.int64))
+    if widths.numel() < groups or keys.numel() < groups:
+        raise ValueError(f"DynamiQ CPU kernels: scratch of {widths.numel()}, {keys.numel()} for {groups} groups")
+    library().dq_encode(
+        x.data_ptr(), maxima.data_ptr(), groups, budget, table.data_ptr(), mantissa_steps.data_ptr(),
+        int(key is not None), 0 if key is None else key, int(antithetic),
+        msg.data_ptr(), widths.data_ptr(), keys.data_ptr(),
+    )  # fmt: skip
+    return msg
+
+
+def decode_into(
+    msg: Tensor,
+    budget: int,
+    table: Tensor,
+    stochastic: bool,
+    local: Tensor | None,
+    out: Tensor,
+    maxima: Tensor | None = None,
+) -> Tensor:
+    """Writes ``decode(msg) (+ local)`` into fp32 ``out`` and its group maxima into ``maxima`` (fresh if not
+    given), which it returns. ``msg`` must have the size of ``out.numel()`` coordinates at ``budget`` (checked
+    by the caller); a message whose widths ask for more payload than that is rejected."""
+    _check(msg, torch.uint8, "message")
+    _check(out, torch.float32, "out")
+    if local is not None:
+        _check(local, torch.float32, "local")
+    maxima = torch.empty(out.numel() // _GROUP, dtype=torch.float32) if maxima is None else maxima
+    _check(maxima, torch.float32, "maxima")
+    if maxima.numel() != out.numel() // _GROUP:
+        raise ValueError(f"DynamiQ CPU kernels: {maxima.numel()} group maxima for {out.numel()} coordinates")
+    status = library().dq_decode(
+        msg.data_ptr(), maxima.numel(), budget, table.data_ptr(), int(stochastic), _address(local),
+        out.data_ptr(), maxima.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"DynamiQ message is corrupt: its group widths need more than its {budget} payload words.")
+    return maxima

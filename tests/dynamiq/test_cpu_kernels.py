@@ -1,0 +1,100 @@
+"""DynamiQ's C kernels (cpu_kernels.c) give the bytes of the torch reference, built natively and portably, and
+the codec falls back to torch where they are off or cannot be built."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_fedshard.dynamiq import DynamiQCodec, cpu_kernels
+from lightning_fedshard.dynamiq.codec import Codec
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="the C kernels need a C compiler"
+)
+NUMEL = 1 << 15
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    layered = torch.randn(NUMEL, generator=gen) * torch.logspace(-6, 1, NUMEL // 1024).repeat_interleave(1024)
+    layered[torch.rand(NUMEL, generator=gen) < 0.05] = 0.0  # exact zeros and all-zero groups
+    layered[:64] = -0.0
+    heavy = torch.distributions.StudentT(2.0).sample((NUMEL,))
+    magnitudes = torch.tensor([1e-40, 1e-30, 1.0, 1e30, 5e37]).repeat_interleave(NUMEL // 5 + 1)[:NUMEL]
+    extremes = torch.randn(NUMEL, generator=gen).clamp(-6, 6) * magnitudes  # subnormal to huge groups side by side
+    one = torch.zeros(NUMEL)
+    one[777] = -2.5
+    return {"layered": layered, "heavy": heavy, "extremes": extremes, "one": one, "zeros": torch.zeros(NUMEL)}
+
+
+def hops(x: torch.Tensor, y: torch.Tensor, bits: float, rounding: str) -> list[torch.Tensor]:
+    """A first hop, three accumulations, their decodes, and the base class's decode + add + encode."""
+    codec = DynamiQCodec(bits, rounding=rounding, seed=5)
+    msg = codec.encode(x, 1)
+    out = [msg, Codec.accumulate(codec, msg, y, 1)]
+    for summands in (1, 2, 3):
+        msg = codec.accumulate(msg, y, summands)
+        out += [msg, codec.decode(msg, NUMEL, summands + 1)]
+    return out
+
+
+def torch_and_c(monkeypatch, x, y, bits, rounding) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    monkeypatch.setenv("FEDSHARD_DYNAMIQ_COMPILE", "0")
+    assert cpu_kernels.library() is None
+    reference = hops(x, y, bits, rounding)
+    monkeypatch.setenv("FEDSHARD_DYNAMIQ_COMPILE", "1")
+    assert cpu_kernels.library() is not None
+    return reference, hops(x, y, bits, rounding)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("bits", [1.5, 5.0, 8.4])
+def test_c_kernels_give_the_bytes_of_the_torch_reference(monkeypatch, bits, rounding) -> None:
+    data = inputs()
+    for name, x in data.items():
+        y = data["heavy"] if name != "heavy" else data["layered"]
+        reference, c = torch_and_c(monkeypatch, x, y, bits, rounding)
+        for step, (a, b) in enumerate(zip(reference, c, strict=True)):
+            assert torch.equal(a, b), f"{name}, step {step}"
+        assert torch.equal(c[1], c[2])  # the fused decode-and-add is decode + add + encode, to the byte
+
+
+def test_the_portable_build_gives_the_same_bytes(monkeypatch) -> None:
+    x, y = inputs()["layered"], inputs()["heavy"]
+    native = torch_and_c(monkeypatch, x, y, 5.0, "stochastic")[1]
+    monkeypatch.setattr(cpu_kernels, "_TUNINGS", ((),))  # no -march=native: plain SSE2 / scalar code
+    cpu_kernels._load.cache_clear()
+    try:
+        portable = hops(x, y, 5.0, "stochastic")
+    finally:
+        cpu_kernels._load.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(native, portable, strict=True))
+
+
+def test_without_a_compiler_the_codec_runs_in_torch(monkeypatch) -> None:
+    x = inputs()["layered"]
+    expected = DynamiQCodec(5.0).encode(x, 1)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    cpu_kernels._load.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+        assert torch.equal(DynamiQCodec(5.0).encode(x, 1), expected)
+    finally:
+        cpu_kernels._load.cache_clear()
+
+
+def test_a_corrupt_message_is_rejected_and_nan_is_refused() -> None:
+    codec = DynamiQCodec(5.0)
+    msg = codec.encode(inputs()["layered"], 1).clone()
+    groups = NUMEL // 32
+    widths = slice(4 * groups // 8 + groups, 4 * groups // 8 + groups + 3 * groups // 8)
+    msg[widths] = 0xFF  # every group claims 8 planes: more payload than the message has
+    with pytest.raises(ValueError, match="corrupt"):
+        codec.decode(msg, NUMEL, 1)
+    x = inputs()["heavy"]
+    x[12345] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.encode(x, 1)
