@@ -91,7 +91,7 @@ class Codec:
         return chunks
 
     def warm_up(self, numel: int, device: torch.device | str = "cpu") -> None:
-        """Prepares for chunks of ``numel`` coordinates before the first collective (DynamiQ compiles its CPU
+        """Prepares for chunks of ``numel`` coordinates before the first collective (DynamiQ builds its C
         kernels); nothing to do for most codecs."""
 
     def prepare_simulated(self, chunks_per_rank: list[Tensor], transfer: Transfer) -> list[Tensor]:

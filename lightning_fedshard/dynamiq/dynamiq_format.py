@@ -169,7 +169,7 @@ def allocate_widths(keys: Tensor, active: Tensor, budget: int) -> Tensor:
     the groups whose next step lies one level lower. Computed from suffix counts of the keys, with no
     search and no host synchronisation.
     """
-    # a histogram of fixed size (bincount's size depends on the data, which compiled code cannot have);
+    # a histogram of fixed size (bincount's size depends on the data: a host synchronisation on a GPU);
     # inactive groups are counted in a spare bin
     counted = torch.zeros(_KEYS + 1, dtype=torch.int64, device=keys.device)
     counted = counted.scatter_add_(0, torch.where(active, keys, _KEYS), torch.ones_like(keys))[:_KEYS]

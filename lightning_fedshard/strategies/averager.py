@@ -123,7 +123,7 @@ class FedAverager:
         if outer_optimizer == "nesterov" or compression is not None:
             self._reference = [p.to_local().detach().to(sync_dtype, copy=True) for _, p in self.named_params]
         if self._codec is not None:
-            # compile the codec's kernels for this run's bucket sizes now, not inside the first sync
+            # build the codec's kernels now, not inside the first sync
             local = [p.to_local() for _, p in self.named_params]
             for fragment in self.fragments:
                 for bucket in _buckets([local[i] for i in fragment], BUCKET_BYTES // sync_dtype.itemsize):
