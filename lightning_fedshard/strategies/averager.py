@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from lightning_fedshard.dynamiq.codec import Codec
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 from lightning_fedshard.strategies.ledger import CommLedger
@@ -37,6 +38,12 @@ class FedTransport(Protocol):
         """Starts turning ``flat`` into its mean across those groups, in place; the work to wait for."""
         ...
 
+    def start_compressed_mean_(
+        self, flat: torch.Tensor, compression: Compression, codec: Codec, stats: CompressionStats
+    ) -> dist.Work | None:
+        """The same through DynamiQ's ``codec``; the work to wait for, or None when the mean is done."""
+        ...
+
 
 class ProcessGroupTransport:
     """The fixed ``fed`` process group of one job's device mesh."""
@@ -49,6 +56,13 @@ class ProcessGroupTransport:
 
     def start_mean_(self, flat: torch.Tensor) -> dist.Work:
         return dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def start_compressed_mean_(
+        self, flat: torch.Tensor, compression: Compression, codec: Codec, stats: CompressionStats
+    ) -> None:
+        """DynamiQ's compressed ring over the group, in the calling thread."""
+        compression.all_reduce(flat, codec, self.group, stats)
+        flat.div_(self.size())
 
 
 class FedAverager:
@@ -100,11 +114,6 @@ class FedAverager:
         fragments: Sequence[Sequence[int]] | None = None,
         transport: FedTransport | None = None,
     ) -> None:
-        if transport is not None and compression is not None:
-            raise ValueError(
-                "FedAverager: DynamiQ's compressed ring runs over the fixed `fed` process group; with fault tolerance"
-                " (a torchft transport) average uncompressed (see docs/fault_tolerance.md)."
-            )
         self.named_params = list(named_params)
         everything = [list(range(len(self.named_params)))]
         self.fragments = [list(f) for f in fragments] if fragments is not None else everything
@@ -256,10 +265,9 @@ class FedAverager:
             return None
         if self.compression is not None:
             sent_before = self.stats.wire_bytes
-            self.compression.all_reduce(flat, self._codec, self._fed_group, self.stats)
-            flat.div_(dist.get_world_size(self._fed_group))
+            work = self._transport.start_compressed_mean_(flat, self.compression, self._codec, self.stats)
             self._ledger.record_sent("fed", self.stats.wire_bytes - sent_before, fragment)
-            return None
+            return work
         self._ledger.record("fed", "all_reduce", _nbytes(flat), self._transport.size(), fragment)
         return self._transport.start_mean_(flat)
 

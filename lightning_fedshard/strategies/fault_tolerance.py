@@ -26,6 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_fedshard.distributed.timeouts import check_timeout
+from lightning_fedshard.dynamiq.codec import Codec
+from lightning_fedshard.dynamiq.settings import Compression
+from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
 __all__ = ["FaultTolerance", "FederationMember", "ManagerTransport"]
 
@@ -122,16 +125,59 @@ class ManagerTransport:
 
     A failed all-reduce does not raise: torchft records the error, the round's ``should_commit`` vote fails and
     :class:`FederationMember` restores the state from before the round.
+
+    With DynamiQ (:meth:`start_compressed_mean_`) each group encodes its contribution once and the messages are
+    all-gathered over the Manager's process group (``pg``, reconfigured by torchft at every quorum); every group
+    decodes them in quorum order and sums in fp32, so the same bytes give the same mean, bit for bit, in every
+    group. DynamiQ's multi-hop ring needs a process group registered with ``torch.distributed`` and fixed for the
+    job, which torchft's is not; with two groups the all-gather sends what the ring would.
     """
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Any, pg: Any) -> None:
         self.manager = manager
+        self.pg = pg
 
     def size(self) -> int:
         return self.manager.num_participants()
 
     def start_mean_(self, flat: torch.Tensor) -> Any:
         return self.manager.allreduce(flat)  # a torchft Work: waited for when the average is applied
+
+    def start_compressed_mean_(
+        self, flat: torch.Tensor, compression: Compression, codec: Codec, stats: CompressionStats
+    ) -> Any:
+        """Turns ``flat`` into the mean of the groups' decoded messages, in place, and returns None: done here. A
+        group alone, and tensors shorter than ``compression.min_numel``, take the plain all-reduce (exact), whose
+        work is returned."""
+        manager = self.manager
+        groups = manager.num_participants()
+        if groups == 1 or flat.numel() < compression.min_numel:
+            coords = 2 * (groups - 1) / groups * flat.numel()
+            stats.record(flat.numel(), coords * flat.element_size(), coords, compressed=False)
+            return self.start_mean_(flat)
+        if manager.errored():
+            return None  # the round is lost already: its vote fails and the state is restored
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        padded = flat.new_zeros(flat.numel() + -flat.numel() % codec.block, dtype=torch.float32)
+        if manager.is_participating():  # as in torchft's all-reduce, a group not in the round adds zeros (decoded: 0)
+            padded[: flat.numel()] = flat
+        msg = codec.encode(padded, 1)
+        gathered = [torch.empty_like(msg) for _ in range(self.pg.size())]
+        try:
+            work = self.pg.allgather([gathered], [msg], AllgatherOptions())
+            manager.wrap_future(work.get_future(), None).wait()
+        except Exception as error:  # noqa: BLE001 -- torchft's contract: report, then the vote fails the round
+            manager.report_error(error)
+        if manager.errored():
+            return None
+        total = torch.zeros_like(padded)
+        for message in gathered:  # quorum order on every group: the same sum to the bit
+            total += codec.decode(message, padded.numel(), 1)
+        flat.copy_((total / groups)[: flat.numel()])
+        # the bytes this rank sends (gloo's all-gather forwards each message around the ring) against a plain ring's
+        stats.record(padded.numel(), (groups - 1) * msg.numel(), 2 * (groups - 1) / groups * padded.numel(), True)
+        return None
 
 
 class FederationMember:
@@ -189,7 +235,7 @@ class FederationMember:
             heartbeat_interval=config.heartbeat_interval,
             init_sync=True,  # groups start from one model: torchft heals every group at step 0 from the others
         )
-        self.transport = ManagerTransport(self.manager)
+        self.transport = ManagerTransport(self.manager, pg)
         self.rounds_failed = 0
         self.last_participants = 0
 

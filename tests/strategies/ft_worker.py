@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_fedshard  # noqa: F401  (registers the strategy names)
+from lightning_fedshard.dynamiq import DynamiQ
 from lightning_fedshard.strategies import FLFSDPStrategy
 from lightning_fedshard.strategies.fault_tolerance import FaultTolerance
 from tests.strategies.worker import Regression
@@ -131,6 +132,8 @@ def main(cfg: dict) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[ProgressAndStop(out, group)],
+        # DynamiQ-compressed rounds, every tensor through the codec however small
+        plugins=[DynamiQ(bits=cfg["bits"], traffic=("fed",), min_numel=0)] if cfg.get("bits") else None,
     )
     module = Regression({"lr": 0.01, "batch_size": 4, "optimizer": "adamw"})
     torch.manual_seed(100 + group)  # every group starts elsewhere: a joining group must take the federation's state

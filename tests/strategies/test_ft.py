@@ -116,22 +116,23 @@ def wait_for(condition, what: str, groups: list[Group]) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def story(tmp_path_factory):
+def play(out: Path, cycles: int, **settings):
+    """Group 0 trains alone, group 1 joins, then ``cycles`` times one rank of group 1 is killed, group 0 trains on
+    alone and group 1 is restarted and rejoins; yields the groups and what happened, and cleans up."""
     from torchft._torchft import LighthouseServer
 
-    out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
     )
     g0, g1 = (Group(i, out, lighthouse.address()) for i in range(2))
+    victim_rank = settings.get("devices", 2) - 1
     events: dict = {"outages": [], "g1_launch_pids": []}
     try:
-        g0.start()
+        g0.start(**settings)
         wait_for(lambda: len(g0.rounds(groups=1)) >= 2, "group 0 trains alone", [g0])
-        for launch in range(CYCLES + 1):
+        for launch in range(cycles + 1):
             if launch:  # an outage: kill one rank of group 1 between its syncs, watch group 0 go on
-                victim = g1.progress(1)["pid"]
+                victim = g1.progress(victim_rank)["pid"]
                 before = max(g0.rounds())
                 steps_before = g0.progress(0)["optimizer_steps"]
                 os.kill(victim, signal.SIGKILL)
@@ -150,7 +151,7 @@ def story(tmp_path_factory):
                         "g1_returncode": g1.launcher.returncode,
                     }
                 )
-            g1.start()
+            g1.start(**settings)
             pid = g1.launcher.pid
             events["g1_launch_pids"].append(pid)
             # rank 0 of the launch holds its pid; it has rejoined once it committed its joining round and the next
@@ -165,6 +166,17 @@ def story(tmp_path_factory):
         for group in (g0, g1):
             group.kill_all()
         lighthouse.shutdown()
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    yield from play(tmp_path_factory.mktemp("ft"), CYCLES)
+
+
+@pytest.fixture(scope="module")
+def compressed_story(tmp_path_factory):
+    """The same with one rank per group and DynamiQ-compressed rounds (bits=5), one outage."""
+    yield from play(tmp_path_factory.mktemp("ft_dynamiq"), 1, devices=1, bits=5.0)
 
 
 def nesterov_step(reference, momentum, mean_pseudo_grad):
@@ -244,3 +256,39 @@ def test_below_min_groups_a_group_waits_with_a_log_line_then_gives_up_at_its_quo
     assert "federation group 0: waiting for at least min_groups=2 federation groups, 1 present" in log, log[-4000:]
     assert "TimeoutError: federation group 0: only 1 of the min_groups=2 federation groups joined within" in log
     assert alone.progress(0)["optimizer_steps"] == -1  # it never trained alone
+
+
+def test_dynamiq_compressed_rounds_average_the_decoded_messages_and_survive_an_outage(compressed_story):
+    """Each group's DiLoCo pseudo-gradient is encoded once at bits=5 and all-gathered over torchft's process group;
+    both groups apply the mean of the decoded messages (a DynamiQ codec in this process, same bytes) and stay
+    identical, through a kill and a rejoin."""
+    from lightning_fedshard.dynamiq import DynamiQCodec
+
+    g0, g1, events = compressed_story
+    assert events["returncodes"] == [0, 0], events["logs"][0][-4000:]
+    assert len(events["outages"]) == 1 and events["outages"][0]["g1_returncode"] != 0
+    codec = DynamiQCodec(5.0)
+    ours, theirs = g0.rounds(0, groups=2), g1.rounds(0, groups=2)
+    joint = sorted(ours.keys() & theirs.keys())
+    assert len(joint) >= 4, joint  # before the outage and after the rejoin
+    for n in joint:
+        a, b = g0.record(ours[n]), g1.record(theirs[n])
+        names = list(a["pre"]["reference"])
+        flat = [
+            torch.cat([(r["pre"]["reference"][k] - r["pre"]["local"][k]).reshape(-1) for k in names]) for r in (a, b)
+        ]
+        numel = flat[0].numel()
+        padded = [torch.nn.functional.pad(v, (0, -numel % codec.block)) for v in flat]
+        decoded = [codec.decode(codec.encode(v, 1), v.numel(), 1) for v in padded]
+        mean = ((decoded[0] + decoded[1]) / 2)[:numel]
+        exact = (flat[0] + flat[1]) / 2
+        assert not torch.equal(mean, exact)  # the round really went through the codec
+        offset = 0
+        for k in names:
+            part = mean[offset : offset + a["pre"]["reference"][k].numel()].view_as(a["pre"]["reference"][k])
+            offset += part.numel()
+            expected, buf = nesterov_step(a["pre"]["reference"][k], a["pre"]["momentum"][k], part)
+            for post in (a["post"], b["post"]):
+                torch.testing.assert_close(post["local"][k], expected, rtol=0, atol=1e-6)
+                torch.testing.assert_close(post["momentum"][k], buf, rtol=0, atol=1e-6)
+            assert torch.equal(a["post"]["local"][k], b["post"]["local"][k]), (n, k)
