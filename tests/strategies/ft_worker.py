@@ -9,7 +9,9 @@ ranks). Each rank writes, atomically:
   number, the groups in it, whether it was applied): its contribution (local shards, global copies and outer
   momentum after any healing) and its shards after the round.
 
-It stops once its optimizer steps reach ``at_step`` of ``<out>/stop.json``.
+It stops once its optimizer steps reach ``at_step`` of ``<out>/stop.json``; with ``checkpoint`` in its config it
+first saves a checkpoint there and its state as ``<out>/g<G>_r<r>_saved<pid>.pt``. With ``resume`` it resumes from
+that checkpoint.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class Recording(FLFSDPStrategy):
 
 
 class ProgressAndStop(pl.Callback):
-    def __init__(self, out: Path, group: int) -> None:
-        self.out, self.group = out, group
+    def __init__(self, out: Path, group: int, checkpoint: str | None) -> None:
+        self.out, self.group, self.checkpoint = out, group, checkpoint
 
     def on_train_start(self, trainer, pl_module) -> None:  # before the strategy's joining round
         start = {n: p.to_local().detach().clone() for n, p in trainer.strategy.model.named_parameters()}
@@ -97,6 +99,9 @@ class ProgressAndStop(pl.Callback):
         partial.rename(progress)
         stop = self.out / "stop.json"
         if stop.exists() and strategy.optimizer_steps >= json.loads(stop.read_text())["at_step"]:
+            if self.checkpoint:
+                trainer.save_checkpoint(self.checkpoint)
+                _save(local_state(strategy), self.out / f"g{self.group}_r{trainer.global_rank}_saved{os.getpid()}.pt")
             trainer.should_stop = True
         time.sleep(STEP_SLEEP_S)
 
@@ -131,7 +136,7 @@ def main(cfg: dict) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ProgressAndStop(out, group)],
+        callbacks=[ProgressAndStop(out, group, cfg.get("checkpoint"))],
         # DynamiQ-compressed rounds, every tensor through the codec however small
         plugins=[DynamiQ(bits=cfg["bits"], traffic=("fed",), min_numel=0)] if cfg.get("bits") else None,
     )
@@ -140,7 +145,7 @@ def main(cfg: dict) -> None:
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0.0, 0.3)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=cfg.get("resume"))
 
 
 if __name__ == "__main__":

@@ -292,3 +292,53 @@ def test_dynamiq_compressed_rounds_average_the_decoded_messages_and_survive_an_o
                 torch.testing.assert_close(post["local"][k], expected, rtol=0, atol=1e-6)
                 torch.testing.assert_close(post["momentum"][k], buf, rtol=0, atol=1e-6)
             assert torch.equal(a["post"]["local"][k], b["post"]["local"][k]), (n, k)
+
+
+def test_a_federation_restarted_whole_resumes_from_its_checkpoints(tmp_path):
+    """Both groups save a checkpoint between two rounds and stop; restarted from their checkpoints, they continue
+    where they were: the same shards, the same outer state, the optimizer-step and torchft round counters."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, quorum_tick_ms=50)
+    groups = [Group(i, tmp_path, lighthouse.address()) for i in range(2)]
+    checkpoints = {g.index: dict(devices=1, checkpoint=str(tmp_path / f"g{g.index}.ckpt")) for g in groups}
+    stop = tmp_path / "stop.json"
+    try:
+        for g in groups:
+            g.start(**checkpoints[g.index])
+        wait_for(lambda: all(len(g.rounds(groups=2)) >= 2 for g in groups), "both groups train together", groups)
+        # half-way through an interval: the checkpoint holds local steps the next round has not seen yet
+        saved_at = (max(g.progress(0)["optimizer_steps"] for g in groups) // SYNC_EVERY + 2) * SYNC_EVERY + 2
+        stop.write_text(json.dumps({"at_step": saved_at}))
+        for g in groups:
+            g.launcher.wait(timeout=WAIT_S)
+            assert g.launcher.returncode == 0, g.log()[-4000:]
+        stop.write_text(json.dumps({"at_step": saved_at + 2 * SYNC_EVERY}))
+        for g in groups:
+            g.start(devices=1, resume=checkpoints[g.index]["checkpoint"])
+        for g in groups:
+            g.launcher.wait(timeout=WAIT_S)
+            assert g.launcher.returncode == 0, g.log()[-4000:]
+    finally:
+        for g in groups:
+            g.kill_all()
+        lighthouse.shutdown()
+
+    for g in groups:
+        saved_pid, resumed_pid = (launch.pid for launch in g.launches)
+        saved = torch.load(tmp_path / f"g{g.index}_r0_saved{saved_pid}.pt", weights_only=True)
+        resumed_start = torch.load(tmp_path / f"g{g.index}_r0_start{resumed_pid}.pt", weights_only=True)
+        for name, local in saved["local"].items():
+            assert torch.equal(resumed_start[name], local), name  # restored from disk, bit for bit
+        # The first run ended with the round of its last steps, after the checkpoint; the resumed run's joining
+        # round is that round again: the same torchft round number, optimizer step and state, the same result.
+        before, after = g.rounds(0, {saved_pid}), g.rounds(0, {resumed_pid})
+        ended, rejoined = g.record(before[max(before)]), g.record(after[min(after)])
+        assert min(after) == max(before), (sorted(before), sorted(after))
+        assert ended["optimizer_steps"] == rejoined["optimizer_steps"] == saved_at
+        assert rejoined["groups"] == 2
+        for part in ("local", "reference", "momentum"):  # DiLoCo's outer state came back from the checkpoint too
+            for name, tensor in saved[part].items():
+                assert torch.equal(rejoined["pre"][part][name], tensor), (part, name)
+                assert torch.equal(rejoined["post"][part][name], ended["post"][part][name]), (part, name)
+        assert max(after) > min(after)  # and it trained on together past the checkpoint
