@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  fedshard verify net.onnx prop.vnnlib --timeout 120 --result out.txt --report r.json\n"
         "  fedshard verify --instances mnist_fc/instances.csv --results results.csv\n"
         "  fedshard verify net.onnx prop.vnnlib --strategy fsdp --devices 2 --report r.json\n"
-        "  fedshard verify --instances mnist_fc/instances.csv --strategy tp --devices 4 --group-size 2\n\n"
+        "  fedshard verify --instances mnist_fc/instances.csv --strategy tp --devices 4 --group-size 2\n"
+        "  fedshard verify net.onnx prop.vnnlib --strategy fsdp+rows --devices 4\n\n"
         "exit status: 0; 1 if an answer is wrong (it contradicts the expected verdict, or a sat has no counterexample "
         "that replays); 2 for bad input, or an instance that could not be verified (after every row is written)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -113,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=[s.value for s in Strategy],
         default=Strategy.SINGLE.value,
         help="single: each rank verifies its own instances; fsdp: weights sharded over a group of ranks (same "
-        "bounds as single); tp: tensor parallel (default single)",
+        "bounds as single); tp: tensor parallel; fsdp+rows: fsdp's weight shards with tp rows' split passes and "
+        "branch-and-bound domains (default single)",
     )
     parallel.add_argument("--devices", type=int, default=1, help="ranks (processes) to run (default 1)")
     parallel.add_argument(

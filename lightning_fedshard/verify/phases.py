@@ -78,5 +78,5 @@ class CasePhases:
         """One β-CROWN batch over ``domains`` (``iterations`` steps): the spec rows' lower bounds ``[S, N]``. A
         row-parallel rank bounds its own domains alone; the other plans in lockstep."""
         group = None if self.plan.row_parallel else self.plan.lockstep_group
-        with lockstep(group):
+        with self.plan.domain_search(self.graph), lockstep(group):
             return beta_crown(self.graph, self.box, self.spec.rows(len(domains)), domains, iterations).lower

@@ -263,18 +263,19 @@ def _verify_case(
         if bab_mode is BabMode.INPUT:
             outcome = run.timed("bab", input_split, graph, spec.only(d), box, config, run.deadline, generator)
         else:
-            outcome = run.timed(
-                "bab",
-                branch_and_bound,
-                graph,
-                spec.only(d),
-                box,
-                root.rows(spec.rows_of(d)),
-                config,
-                run.deadline,
-                generator,
-                plan.domain_group,
-            )
+            with plan.domain_search(graph):
+                outcome = run.timed(
+                    "bab",
+                    branch_and_bound,
+                    graph,
+                    spec.only(d),
+                    box,
+                    root.rows(spec.rows_of(d)),
+                    config,
+                    run.deadline,
+                    generator,
+                    plan.domain_group,
+                )
         answer.domains_bounded += outcome.domains_bounded
         answer.max_depth = max(answer.max_depth, outcome.max_depth)
         if outcome.verdict in (Verdict.SAT, Verdict.TIMEOUT):

@@ -31,7 +31,12 @@ from lightning_fedshard.verify.spec import Property, local_robustness
 from tests.verify.nets import resnet as small_resnet
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
-PLANS = {"fsdp": {"strategy": "fsdp"}, "rows": {"strategy": "tp"}, "zones": {"strategy": "tp", "tp_mode": "zones"}}
+PLANS = {
+    "fsdp": {"strategy": "fsdp"},
+    "rows": {"strategy": "tp"},
+    "zones": {"strategy": "tp", "tp_mode": "zones"},
+    "fsdp+rows": {"strategy": "fsdp+rows"},
+}
 #: α-CROWN iterations for root bounds (short: equality is what is tested, not tightness).
 ALPHA_ITERATIONS = 8
 #: Zones are looser (their ReLUs are neither optimised nor split), so their searches get a short budget: what is
@@ -109,16 +114,22 @@ def verdict(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[s
 
 
 def crown_memory(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[str, int]:
-    """Resident bytes and peak live bytes of one CROWN bound of the property."""
+    """Resident bytes and peak live bytes of one CROWN bound of the property, and the weight all-gathers it
+    issued (sharded weights)."""
     case = prop.cases[0]
     box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
     spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
     partition = plan.partition if plan is not None else None
+    gatherer = next((n.op._fsdp_gatherer for n in graph.nodes[1:] if hasattr(n.op, "_fsdp_gatherer")), None)
+    gathers = []
+    if gatherer is not None:
+        launch = gatherer._launch
+        gatherer._launch = lambda op, async_op: gathers.append(op) or launch(op, async_op)
     meter = PeakMemoryMeter(resident_bytes=tensor_bytes(graph.constants()))
     with torch.no_grad(), lockstep(plan.lockstep_group if plan is not None else None), meter:
         bounds = intermediate_bounds(graph, box, partition=partition)
         spec_lower(graph, spec.rows(1), box, bounds, partition=partition)
-    return {"baseline": meter.baseline_bytes, "peak": meter.peak_bytes}
+    return {"baseline": meter.baseline_bytes, "peak": meter.peak_bytes, "gathers": len(gathers)}
 
 
 def compute(plan: ShardPlan | None, with_bab: bool = True) -> dict[str, dict]:

@@ -74,6 +74,12 @@ def scenarios(corrupt: Path) -> dict[str, dict]:
             "config": {"measure_memory": True},
             "instances": [(NET2, prop("6_0.03")), (missing, prop("0_0.03")), (NET2, prop("0_0.05"))],
         },
+        "fsdp+rows": {
+            "strategy": "fsdp+rows",
+            "devices": 2,
+            "config": {"measure_memory": True},
+            "instances": [(NET2, prop("6_0.03")), (NET2, prop("0_0.05"))],
+        },
         "dp": {
             "strategy": "single",
             "devices": 2,
@@ -250,6 +256,25 @@ def test_tensor_parallel_rows_match_the_single_process_run_within_rounding(launc
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
         assert all(r.baseline_memory_bytes > 0 and r.peak_memory_bytes > 0 for r in entry.per_rank)
     assert_counterexample_replays(results[2])
+
+
+@needs_mnist
+@pytest.mark.multiproc
+def test_fsdp_rows_answers_as_tensor_parallel_rows_on_half_the_weights(launch):
+    rows = decided(launch("tp"))
+    both = launch("fsdp+rows")
+    assert [r.verdict for r in both] == ["unsat", "sat"]
+    for ours, theirs in zip(both, rows, strict=True):
+        assert_group_agrees(ours, 2, bitwise=True)
+        assert (ours.verdict, ours.root_margins, ours.domains_bounded) == (
+            theirs.verdict,
+            theirs.root_margins,
+            theirs.domains_bounded,
+        )
+        for mine, whole in zip(ours.per_rank, theirs.per_rank, strict=True):
+            assert mine.baseline_memory_bytes < 0.55 * whole.baseline_memory_bytes  # weights sharded, biases whole
+    np.testing.assert_array_equal(both[1].counterexample.x, rows[1].counterexample.x)
+    assert_counterexample_replays(both[1])
 
 
 @needs_mnist

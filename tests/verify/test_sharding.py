@@ -6,6 +6,7 @@ tighter than unsharded CROWN; no sharded run contradicts a single-process verdic
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -47,7 +48,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> list[dict]:
-    return _launch(tmp_path_factory, 4, False, ["fsdp", "rows"])
+    return _launch(tmp_path_factory, 4, False, ["fsdp", "rows", "fsdp+rows"])
 
 
 CASES = ["256x2_bab", "256x2_sat", "256x4", "resnet"]
@@ -119,10 +120,11 @@ def test_fsdp_branch_and_bound_is_bitwise_that_of_one_process(two_ranks, single,
 # --------------------------------------------------------------------------- tensor parallel, rows: exact up to rounding
 
 
+@pytest.mark.parametrize("plan", ["rows", "fsdp+rows"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", CASES)
-def test_row_parallel_bounds_equal_one_process_within_1e5(request, single, world, case):
-    sharded = _ranks(request, world)[0]["rows"][case]
+def test_row_parallel_bounds_equal_one_process_within_1e5(request, single, plan, world, case):
+    sharded = _ranks(request, world)[0][plan][case]
     for field in ROOT_FIELDS:
         for got, want in zip(_flatten(sharded[field]), _flatten(single[case][field]), strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=field)
@@ -134,6 +136,35 @@ def test_domain_parallel_branch_and_bound_reaches_the_same_verdict(two_ranks, si
     assert got["verdict"] == want["verdict"]
     for mine, theirs in zip(got["margins"], want["margins"], strict=True):
         np.testing.assert_allclose(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- FSDP + rows: tp rows on sharded weights
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_rows_root_bounds_are_bitwise_those_of_tp_rows(request, world, case):
+    ranks = _ranks(request, world)
+    for rank in ranks:  # the gathered weights are the original bits: the same passes, the same rounding
+        for field in ROOT_FIELDS:
+            assert _bitwise(rank["fsdp+rows"][case][field], rank["rows"][case][field]), field
+
+
+@pytest.mark.parametrize("case", ["256x2_bab", "256x2_sat", "resnet"])
+def test_fsdp_rows_branch_and_bound_is_that_of_tp_rows(two_ranks, case):
+    for rank in two_ranks:
+        got, want = rank["fsdp+rows"][case]["verify"], rank["rows"][case]["verify"]
+        assert (got["verdict"], got["margins"], got["domains"]) == (want["verdict"], want["margins"], want["domains"])
+        assert (got["cex"] is None) == (want["cex"] is None)
+        if want["cex"] is not None:
+            assert np.array_equal(got["cex"], want["cex"])
+
+
+def test_fsdp_rows_gathers_each_layer_once_per_pass_like_fsdp(two_ranks, four_ranks):
+    # every rank runs every pass on its rows: one all-gather per weighted layer per pass, whatever its row count
+    for ranks in (two_ranks, four_ranks):
+        for rank in ranks:
+            assert rank["fsdp+rows"]["wide"]["gathers"] == rank["fsdp"]["wide"]["gathers"] > 0
 
 
 # --------------------------------------------------------------------------- tensor parallel, zones: sound and looser
@@ -188,6 +219,22 @@ def test_fsdp_keeps_one_shard_of_the_weights_per_rank(two_ranks, four_ranks, sin
             assert rank["fsdp"]["wide"]["baseline"] <= weights / world * 1.01
             # Two gathered layers (current + prefetch) at most on top of the shards.
             assert rank["fsdp"]["wide"]["peak"] <= single["wide"]["peak"]
+
+
+def test_fsdp_rows_divides_both_the_weights_and_the_coefficients(two_ranks, four_ranks, single):
+    graph, _ = shard_worker.wide_mlp()
+    for world, ranks in ((2, two_ranks), (4, four_ranks)):
+        # exactly fsdp's shards: ceil(numel / P) elements of every matrix, biases whole
+        matrices = [t.numel() * t.element_size() for t in graph.constants() if t.dim() >= 2]
+        shards = sum(math.ceil(t.numel() / world) * t.element_size() for t in graph.constants() if t.dim() >= 2)
+        shards += sum(t.numel() * t.element_size() for t in graph.constants() if t.dim() < 2)
+        for rank in ranks:
+            assert rank["fsdp+rows"]["wide"]["baseline"] == rank["fsdp"]["wide"]["baseline"] == shards
+            # rows' split coefficients on the shards instead of the whole weights, plus at most the two layers
+            # gathered at a time (the current one and the prefetched one)
+            rows = rank["rows"]["wide"]
+            gathered = sum(sorted(matrices)[-2:])
+            assert rank["fsdp+rows"]["wide"]["peak"] <= rows["peak"] - rows["baseline"] + shards + gathered
 
 
 def test_row_parallel_divides_the_coefficient_memory(two_ranks, four_ranks, single):

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.ops import BoundOp
 
-__all__ = ["WeightGatherer", "fsdp_shard"]
+__all__ = ["WeightGatherer", "fsdp_shard", "weights_held"]
 
 
 @dataclass(frozen=True)
@@ -185,3 +186,31 @@ def fsdp_shard(graph: BoundGraph, group: dist.ProcessGroup, prefetch: bool = Tru
     for op in weighted:
         op._fsdp_gatherer = gatherer
     return BoundGraph(nodes, graph.output.name)
+
+
+@contextmanager
+def weights_held(graph: BoundGraph) -> Iterator[None]:
+    """Inside the block every sharded op of ``graph`` holds its full weights, gathered once on entry (a collective:
+    every rank of the group enters together), and runs without collectives, as a rank that works on its own must
+    (domain-parallel branch-and-bound, whose ranks bound different domains). No-op on a graph without shards.
+
+    Example::
+
+        with weights_held(sharded):              # all ranks at once
+            search_my_domains(sharded)           # no rank waits for another in here
+    """
+    ops = [node.op for node in graph.nodes[1:] if hasattr(node.op, "_fsdp_gatherer")]
+    placeholders = []
+    try:
+        for op in ops:  # in topological order: each gather waits on the one prefetched by the previous
+            full = op._fsdp_gatherer.full_weights(op, +1)
+            placeholders.append((op, {name: getattr(op, name) for name in full}))
+            for name, value in full.items():
+                setattr(op, name, value)
+            op._fsdp_active = True
+        yield
+    finally:
+        for op, meta in placeholders:
+            op._fsdp_active = False
+            for name, value in meta.items():
+                setattr(op, name, value)

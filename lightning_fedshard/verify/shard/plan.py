@@ -3,13 +3,14 @@ torchtitan's parallel dimensions, from which every sharded piece takes what it n
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 
 import torch.distributed as dist
 
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.shard.fsdp import fsdp_shard
+from lightning_fedshard.verify.shard.fsdp import fsdp_shard, weights_held
 from lightning_fedshard.verify.shard.rows import RowPartition
 from lightning_fedshard.verify.shard.zones import megatron_zones
 
@@ -18,11 +19,15 @@ __all__ = ["ShardPlan", "Strategy", "TensorParallelMode"]
 
 class Strategy(str, Enum):
     """``single``: one rank does everything (ranks, if any, take different instances). ``fsdp``: weights are
-    sharded, results bitwise identical to ``single``. ``tp``: tensor parallel, see :class:`TensorParallelMode`."""
+    sharded, results bitwise identical to ``single``. ``tp``: tensor parallel, see :class:`TensorParallelMode`.
+    ``fsdp+rows``: both at once over the same ranks, weights sharded as ``fsdp`` and the rows of every backward
+    pass (with α-CROWN's slopes and branch-and-bound's domains) split as ``tp`` rows; the results are those of
+    ``tp`` rows, bit for bit."""
 
     SINGLE = "single"
     FSDP = "fsdp"
     TP = "tp"
+    FSDP_ROWS = "fsdp+rows"
 
 
 class TensorParallelMode(str, Enum):
@@ -40,7 +45,7 @@ class ShardPlan:
 
     Example::
 
-        plan = ShardPlan(Strategy.FSDP, dist.group.WORLD)
+        plan = ShardPlan(Strategy.FSDP, dist.group.WORLD)        # or Strategy.FSDP_ROWS: both memories 1/P
         result = verify(plan.shard(graph), prop, config, plan)
     """
 
@@ -66,7 +71,14 @@ class ShardPlan:
 
     @property
     def row_parallel(self) -> bool:
-        return self.strategy is Strategy.TP and self.tp_mode is TensorParallelMode.ROWS
+        return self.strategy is Strategy.FSDP_ROWS or (
+            self.strategy is Strategy.TP and self.tp_mode is TensorParallelMode.ROWS
+        )
+
+    @property
+    def weights_sharded(self) -> bool:
+        """Whether every bound step all-gathers its layer's weights (``fsdp``, ``fsdp+rows``)."""
+        return self.strategy in (Strategy.FSDP, Strategy.FSDP_ROWS)
 
     @property
     def lockstep_group(self) -> dist.ProcessGroup | None:
@@ -82,9 +94,14 @@ class ShardPlan:
         """The group branch-and-bound deals its domains over (``None``: one search, replicated if sharded)."""
         return self.group if self.row_parallel else None
 
+    def domain_search(self, graph: BoundGraph) -> AbstractContextManager[None]:
+        """Where branch-and-bound runs: a domain-parallel rank bounds its own domains without waiting for the
+        others, so sharded weights are gathered once on entry (every rank together) and held whole inside."""
+        return weights_held(graph) if self.domain_group is not None else nullcontext()
+
     def shard(self, graph: BoundGraph) -> BoundGraph:
         """This rank's part of ``graph``: the graph itself where weights stay replicated."""
-        if self.strategy is Strategy.FSDP:
+        if self.weights_sharded:
             return fsdp_shard(graph, self.group, self.prefetch)
         if self.strategy is Strategy.TP and self.tp_mode is TensorParallelMode.ZONES:
             return megatron_zones(graph, self.group, self.max_zones)
