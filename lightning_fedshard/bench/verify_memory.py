@@ -1,5 +1,5 @@
 """Memory per rank of sharded bound propagation: single process against FSDP, tensor-parallel rows (with
-domain-sharded branch-and-bound) and Megatron zones, on real gloo ranks.
+domain-sharded branch-and-bound), Megatron zones and FSDP with rows (both at once), on real gloo ranks.
 
     python -m lightning_fedshard.bench verify-memory [--out runs/verify-memory] [--quick]
 
@@ -12,7 +12,8 @@ the VNN-COMP 2022 mnist_fc nets) and every strategy, each rank measures with
 * ``alpha``: the peak of α-CROWN (``ALPHA_ITERATIONS`` iterations) on it;
 * ``bab``: the peak of one β-CROWN batch of ``BAB_DOMAINS`` branch-and-bound domains (``BETA_ITERATIONS``
   iterations), with the output pass's α tensors: whole on every rank for single/FSDP/zones, dealt out (``1/P``
-  of the domains per rank) for the row-parallel strategy, which is what its search does;
+  of the domains per rank) for the row-parallel strategies, which is what their search does (``fsdp+rows`` holds
+  its weights whole for it: its ranks search alone);
 
 and the time of each phase. The table gives the largest rank's numbers and their ratio to single in the same
 run; ``OUT/results.json`` holds every rank, ``OUT/memory_vs_ranks.png`` plots memory against P.
@@ -21,6 +22,7 @@ run; ``OUT/results.json`` holds every rank, ``OUT/memory_vs_ranks.png`` plots me
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -61,6 +63,8 @@ STRATEGIES = (
     ("tp-rows", {"strategy": "tp"}, 2),
     ("tp-rows", {"strategy": "tp"}, 4),
     ("tp-zones", {"strategy": "tp", "tp_mode": "zones"}, 2),
+    ("fsdp+rows", {"strategy": "fsdp+rows"}, 2),
+    ("fsdp+rows", {"strategy": "fsdp+rows"}, 4),
 )
 MIB = 2**20
 _MEMORY = ("baseline", "crown_peak", "alpha_peak", "bab_peak")
@@ -233,7 +237,7 @@ def plot(table: list[dict], path: Path) -> None:
     for axis, field in zip(axes, _MEMORY, strict=True):
         title = _TITLES[field]
         for network in dict.fromkeys(r["network"] for r in table):
-            for strategy, style in (("fsdp", "-o"), ("tp-rows", "--s")):
+            for strategy, style in (("fsdp", "-o"), ("tp-rows", "--s"), ("fsdp+rows", "-.^")):
                 points = sorted(
                     (r["ranks"], r[f"{field}_ratio"])
                     for r in table
@@ -247,15 +251,65 @@ def plot(table: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def _auto_lirpa_process(_: int, quick: bool, out: str) -> None:
+    """auto_LiRPA on every network, in a process of its own with one thread, as the ranks run."""
+    from lightning_fedshard.bench.lirpa_reference import auto_lirpa_peaks
+
+    torch.set_num_threads(1)
+    rows = []
+    for name, graph in _networks(quick).items():
+        prop = _property(graph)
+        theirs = auto_lirpa_peaks(graph, prop, ALPHA_ITERATIONS)
+        ours = CasePhases(graph, prop.cases[0]).crown()
+        theirs["crown_max_diff"] = float((torch.tensor(theirs.pop("crown_margins")) - ours).abs().max())
+        rows.append({"network": name, **theirs})
+    Path(out, "auto_lirpa.json").write_text(json.dumps(rows))
+
+
+def run_auto_lirpa(out: Path, quick: bool) -> list[dict]:
+    """auto_LiRPA's single-process peaks on the same networks and properties (see ``lirpa_reference``)."""
+    mp.start_processes(_auto_lirpa_process, args=(quick, str(out)), nprocs=1, start_method="spawn")
+    return json.loads((out / "auto_lirpa.json").read_text())
+
+
+def format_auto_lirpa(table: list[dict], theirs: list[dict]) -> str:
+    """Markdown: our single-process CROWN and α-CROWN peaks against auto_LiRPA's, MiB and ours/theirs."""
+    ours = {r["network"]: r for r in table if r["strategy"] == "single"}
+    lines = [
+        "| network | weights MiB | CROWN peak: ours | auto_LiRPA | ours/theirs | α-CROWN peak: ours "
+        "| auto_LiRPA | ours/theirs | auto_LiRPA, fixed intermediate bounds | CROWN margins max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in theirs:
+        mine = ours[row["network"]]
+        cells = [row["network"], f"{row['baseline'] / MIB:.1f}"]
+        for field in ("crown", "alpha"):
+            cells += [f"{mine[f'{field}_peak'] / MIB:.1f}", f"{row[f'{field}_peak'] / MIB:.1f}"]
+            cells.append(f"{mine[f'{field}_peak'] / row[f'{field}_peak']:.2f}")
+        cells += [f"{row['alpha_fixed_peak'] / MIB:.1f}", f"{row['crown_max_diff']:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fedshard bench verify-memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/verify-memory"))
     parser.add_argument("--quick", action="store_true", help="one small MLP and 256x2 only (a smoke run)")
+    parser.add_argument(
+        "--auto-lirpa",
+        action="store_true",
+        help="also measure auto_LiRPA's single-process CROWN and α-CROWN peaks (install it first: see the docs)",
+    )
     args = parser.parse_args(argv)
+    if args.auto_lirpa and importlib.util.find_spec("auto_LiRPA") is None:
+        parser.error("--auto-lirpa: auto_LiRPA is not importable (see lightning_fedshard/bench/lirpa_reference.py)")
     rows = run(args.out, args.quick)
     table = summarise(rows)
     print(format_table(table))
-    (args.out / "results.json").write_text(json.dumps({"ranks": rows, "table": table}, indent=1))
+    theirs = run_auto_lirpa(args.out, args.quick) if args.auto_lirpa else []
+    if theirs:
+        print("\nauto_LiRPA 0.7.1, single process, the same meter:\n" + format_auto_lirpa(table, theirs))
+    (args.out / "results.json").write_text(json.dumps({"ranks": rows, "table": table, "auto_lirpa": theirs}, indent=1))
     plot(table, args.out / "memory_vs_ranks.png")
     print(f"\nwrote {args.out / 'results.json'} and {args.out / 'memory_vs_ranks.png'}")
 

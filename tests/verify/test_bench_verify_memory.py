@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_fedshard.bench.verify_memory import MIB, format_table, measure, random_mlp, summarise
@@ -53,3 +54,28 @@ def test_summary_takes_the_largest_rank_and_divides_by_single():
     assert fsdp["alpha_peak_ratio"] == 0.5 and fsdp["time_ratio"] == 0.5
     text = format_table(table)
     assert "| net | fsdp | 2 | 50.0 | 0.50 |" in text and text.count("\n") == 3
+
+
+def test_the_auto_lirpa_model_computes_the_graph_with_its_weights():
+    from lightning_fedshard.bench.lirpa_reference import as_sequential
+    from tests.verify.nets import resnet
+
+    graph = random_mlp((32, 16), seed=3)
+    x = torch.rand(5, 784, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(as_sequential(graph)(x), graph(x), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="only dense ReLU MLPs"):
+        as_sequential(resnet((3, 8, 8), width=2))
+
+
+def test_auto_lirpa_comparison_without_auto_lirpa_is_an_argparse_error_before_any_run(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from lightning_fedshard.bench import verify_memory
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(verify_memory, "run", lambda *a: pytest.fail("it ran"))
+    with pytest.raises(SystemExit) as exit_:
+        verify_memory.main(["--auto-lirpa", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "auto_LiRPA is not importable" in capsys.readouterr().err
