@@ -4,7 +4,7 @@ for ``fedshard bench verify-memory --auto-lirpa``: the single-process figures th
 auto_LiRPA 0.7.1 is not on the package index and not a dependency; for a benchmark run, install it from its
 public repository (commit a050a3d) beside this package::
 
-    pip install --no-deps --target /tmp/lirpa packaging appdirs pyyaml tqdm graphviz
+    pip install --no-deps --target /tmp/lirpa appdirs pyyaml tqdm graphviz   # packaging: the venv's own
     pip install --no-deps --no-build-isolation --target /tmp/lirpa ./auto_LiRPA
     PYTHONPATH=/tmp/lirpa fedshard bench verify-memory --auto-lirpa
 

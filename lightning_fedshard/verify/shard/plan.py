@@ -45,7 +45,7 @@ class ShardPlan:
 
     Example::
 
-        plan = ShardPlan(Strategy.FSDP, dist.group.WORLD)        # or Strategy.FSDP_ROWS: both memories 1/P
+        plan = ShardPlan(Strategy.FSDP, dist.group.WORLD)        # FSDP_ROWS: shards + split rows
         result = verify(plan.shard(graph), prop, config, plan)
     """
 
