@@ -73,10 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=[m.value for m in Method], default=Method.BETA_CROWN.value)
     parser.add_argument(
         "--bab",
-        choices=[m.value for m in BabMode],
+        choices=[*(m.value for m in BabMode), "relu"],
         default=BabMode.AUTO.value,
-        help="branch-and-bound splits ReLUs (relu), the input box (input), or chooses (auto: the input box of "
-        "networks with few inputs and many unstable ReLUs; default)",
+        help="branch-and-bound splits neurons (neuron: ReLU phases and the inputs of other non-linear ops; 'relu' "
+        "is the same), the input box (input), or chooses (auto: the input box of networks with few inputs and many "
+        "neurons to split; default)",
     )
     parser.add_argument("--batch-size", type=int, default=VerifyConfig.batch_size, help="BaB domains per batch")
     parser.add_argument(

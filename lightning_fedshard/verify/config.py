@@ -21,13 +21,18 @@ class Method(str, Enum):
 
 
 class BabMode(str, Enum):
-    """What branch-and-bound splits: ReLU phases (``relu``), the input box (``input``), or ``auto``: the input
-    box when it has at most :attr:`VerifyConfig.input_split_max_dims` dimensions of non-zero width and the root
-    bounds leave more unstable ReLUs than that, else ReLUs."""
+    """What branch-and-bound splits: neurons (``neuron``: ReLU phases, and the inputs of the other non-linear ops
+    at chosen points; ``relu`` is accepted for it), the input box (``input``), or ``auto``: the input box when it
+    has at most :attr:`VerifyConfig.input_split_max_dims` dimensions of non-zero width and the root bounds leave
+    more neurons to split than that, else neurons."""
 
     AUTO = "auto"
-    RELU = "relu"
+    NEURON = "neuron"
     INPUT = "input"
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.NEURON if value == "relu" else None
 
 
 class InputBranching(str, Enum):

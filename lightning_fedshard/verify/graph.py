@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +61,46 @@ class BoundGraph:
             seen.add(node.name)
         self.input = self.nodes[0]
         self.output = self.by_name[output] if output is not None else self.nodes[-1]
+        #: The non-linear nodes: their ops relax themselves over the intervals of some of their inputs.
+        self.nonlinear = [node for node in self.nodes[1:] if node.op.relaxed_inputs]
+        #: For every node whose interval a relaxation reads, the ``(consumer, input index)`` pairs that read it.
+        self.relaxations: dict[str, list[tuple[Node, int]]] = {}
+        #: ... and for the nodes branch-and-bound may split, the pair that says where and how (the first).
+        self.splitter: dict[str, tuple[Node, int]] = {}
+        for node in self.nonlinear:
+            for index in node.op.relaxed_inputs:
+                self.relaxations.setdefault(node.inputs[index], []).append((node, index))
+            for index in node.op.split_inputs:
+                self.splitter.setdefault(node.inputs[index], (node, index))
+        #: Those nodes in topological order: the intervals CROWN tightens and branch-and-bound keeps per domain.
+        self.bounded = [node.name for node in self.nodes if node.name in self.relaxations]
+        self.split_nodes = [name for name in self.bounded if name in self.splitter]
+        #: Whether every relaxation is exact once its neurons are split at their kinks (a ReLU-like graph): a domain
+        #: with nothing left to split is then linear.
+        self.exact_when_split = all(getattr(node.op, "exact_when_split", False) for node in self.nonlinear)
         self.relus = [node for node in self.nodes if isinstance(node.op, ReLU)]
-        #: The pre-activation node of each ReLU node, in ReLU order: the bounds that branch-and-bound splits on.
+        #: The pre-activation node of each ReLU node, in ReLU order (ReLU-specific code: LP programs, phase pieces).
         self.pre_activation = {relu.name: relu.inputs[0] for relu in self.relus}
         self._ancestors: dict[str, list[Node]] = {}
         self._ibp_exact: dict[str, bool] = {}
+
+    def consumer_inputs(self, consumer: Node, bounds: Mapping[str, Interval]) -> list[Interval | None]:
+        """The intervals of ``consumer``'s inputs that ``bounds`` holds (``None`` for the others)."""
+        return [bounds.get(name) for name in consumer.inputs]
+
+    def refine_mask(self, name: str, bounds: Mapping[str, Interval]) -> Tensor:
+        """``[B, *shape]``: the neurons of bounded node ``name`` whose tighter bounds would tighten some relaxation
+        that reads it (ReLU: the unstable ones), given ``bounds`` (which holds ``name``)."""
+        masks = [
+            consumer.op.refine_mask(self.consumer_inputs(consumer, bounds), index)
+            for consumer, index in self.relaxations[name]
+        ]
+        return torch.stack(masks).any(0) if len(masks) > 1 else masks[0]
+
+    def split_mask(self, name: str, bounds: Mapping[str, Interval]) -> Tensor:
+        """``[B, *shape]``: the neurons of split node ``name`` that branch-and-bound may still split."""
+        consumer, index = self.splitter[name]
+        return consumer.op.split_mask(self.consumer_inputs(consumer, bounds), index)
 
     def constants(self) -> list[Tensor]:
         """Every tensor the ops hold (weights, biases, shards; placeholders on the meta device included)."""
@@ -108,7 +144,7 @@ class BoundGraph:
 
     def ibp_is_exact(self, name: str) -> bool:
         """Whether interval propagation gives the exact range of ``name`` over a box: its ancestors are one
-        chain with no ReLU and at most one op that mixes coordinates (element-wise maps send boxes to boxes)."""
+        chain of affine ops with at most one that mixes coordinates (element-wise maps send boxes to boxes)."""
         if name not in self._ibp_exact:
             chain = self.ancestors(name)[1:]
             linear_chain = all(len(node.inputs) == 1 and isinstance(node.op, LinearOp) for node in chain)

@@ -6,18 +6,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.spec import Case
 
-__all__ = ["OutputSpec", "box_tensor", "round_outwards"]
-
-
-def round_outwards(lower: Tensor, upper: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """float64 bounds cast to ``dtype`` so that they still contain the float64 interval."""
-    lo, hi = lower.to(dtype), upper.to(dtype)
-    lo = torch.where(lo.double() > lower, torch.nextafter(lo, torch.full_like(lo, -np.inf)), lo)
-    hi = torch.where(hi.double() < upper, torch.nextafter(hi, torch.full_like(hi, np.inf)), hi)
-    return lo, hi
+__all__ = ["OutputSpec", "box_tensor"]
 
 
 def box_tensor(

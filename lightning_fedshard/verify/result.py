@@ -90,7 +90,7 @@ class VerificationResult:
     rss_peak_bytes: int = 0
     domains_bounded: int = 0
     max_depth: int = 0
-    #: Which branch-and-bound ran (``"relu"``, ``"input"``; one entry per kind, in the order the cases used them).
+    #: Which branch-and-bound ran (``"neuron"``, ``"input"``; one entry per kind, in the order the cases used them).
     bab_modes: list[str] = field(default_factory=list)
     #: LP/MILP refinement, summed over the cases that ran it: solves, bounds tightened, neurons made stable, seconds.
     refinement: dict[str, float] = field(default_factory=dict)

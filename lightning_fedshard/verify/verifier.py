@@ -19,7 +19,7 @@ from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
-from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower, unstable_count
+from lightning_fedshard.verify.bounds.crown import intermediate_bounds, open_neurons, spec_lower
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig
 from lightning_fedshard.verify.device import resolve_device
 from lightning_fedshard.verify.graph import BoundGraph
@@ -157,11 +157,12 @@ def _refine(
 
 def _bab_mode(config: VerifyConfig, box: Interval, unstable: int) -> BabMode:
     """``config.bab``, with ``auto`` resolved: the input box when it has few free dimensions and the root leaves
-    more unstable ReLUs than that (so splitting ReLUs would take more splits than splitting the box)."""
+    more neurons to split than that (unstable ReLUs, the inputs of other non-linear ops: splitting them would take
+    more splits than splitting the box)."""
     if config.bab is not BabMode.AUTO:
         return config.bab
     free = _free_dims(box)
-    return BabMode.INPUT if free <= config.input_split_max_dims and unstable > free else BabMode.RELU
+    return BabMode.INPUT if free <= config.input_split_max_dims and unstable > free else BabMode.NEURON
 
 
 def _verify_case(
@@ -216,7 +217,7 @@ def _verify_case(
     if config.method is Method.CROWN or run.expired:
         return undecided(margins)
 
-    bab_mode = _bab_mode(config, box, int(unstable_count(graph, root_bounds).sum()))
+    bab_mode = _bab_mode(config, box, int(open_neurons(graph, root_bounds).sum()))
 
     def alpha(reference: dict[str, Interval] | None = None) -> AlphaResult:
         return run.timed(
@@ -236,7 +237,7 @@ def _verify_case(
         )
 
     root, refine_stats = None, None
-    if bab_mode is BabMode.RELU or config.method is Method.ALPHA_CROWN:
+    if bab_mode is BabMode.NEURON or config.method is Method.ALPHA_CROWN:
         # Input splitting bounds small boxes with plain CROWN; only ReLU splitting starts from α-CROWN's slopes.
         root = alpha()
         margins = root.lower[:, 0] - spec.rhs
@@ -244,7 +245,7 @@ def _verify_case(
             return _CaseAnswer(Verdict.UNSAT, None, "alpha-crown", margins.tolist())
     if config.method is Method.ALPHA_CROWN or run.expired:
         return undecided(margins)
-    how = _refinement(config, graph, plan) if bab_mode is BabMode.RELU else Refine.NONE
+    how = _refinement(config, graph, plan) if bab_mode is BabMode.NEURON else Refine.NONE
     if how is not Refine.NONE:
         refined, refine_stats = run.timed("refine", _refine, graph, box, root, how, config, run)
         root = alpha(refined)

@@ -14,12 +14,14 @@ def _domains(ids: torch.Tensor, rows: int = 2, width: int = 3) -> DomainBatch:
         lower={"z": tag.view(n, 1).expand(n, width).clone() - 10},
         upper={"z": tag.view(n, 1).expand(n, width).clone() + 10},
         splits={"z": torch.zeros(n, width, dtype=torch.int8)},
+        points={"z": torch.zeros(n, width)},
         betas={"z": tag.view(1, n, 1).expand(rows, n, width).clone()},
         alphas={"relu": -tag.view(1, n, 1).expand(rows, n, width).clone()},
         margins=torch.stack([tag, tag + 0.5], 1),
         depth=ids.clone(),
         branch_layer=torch.zeros(n, dtype=torch.long),
         branch_neuron=ids % width,
+        branch_point=torch.zeros(n),
     )
 
 
@@ -62,9 +64,10 @@ def test_pop_worst_more_than_the_pool_holds_empties_it():
 
 def test_split_clamps_the_chosen_neuron_in_each_child():
     parents = _domains(torch.tensor([4, 7]))
-    children = parents.split(["z"], torch.tensor([0, 0]), torch.tensor([1, 2]))
+    children = parents.split(["z"], torch.tensor([0, 0]), torch.tensor([1, 2]), torch.tensor([0.0, 2.5]))
     assert len(children) == 4 and children.depth.tolist() == [5, 8, 5, 8]
     lower, upper, splits = children.lower["z"], children.upper["z"], children.splits["z"]
-    assert lower[0, 1] == 0 and upper[2, 1] == 0 and lower[1, 2] == 0 and upper[3, 2] == 0
+    assert lower[0, 1] == 0 and upper[2, 1] == 0 and lower[1, 2] == 2.5 and upper[3, 2] == 2.5
     assert splits.tolist() == [[0, 1, 0], [0, 0, 1], [0, -1, 0], [0, 0, -1]]
+    assert children.points["z"].tolist() == [[0, 0, 0], [0, 0, 2.5], [0, 0, 0], [0, 0, 2.5]]
     assert lower[0, 0] == parents.lower["z"][0, 0] and upper[0, 1] == parents.upper["z"][0, 1]

@@ -160,9 +160,9 @@ def test_auto_splits_the_input_of_small_boxes_with_many_unstable_relus():
     config = VerifyConfig()
     five = Interval(torch.zeros(1, 5), torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]]))  # 4 free dimensions
     assert _bab_mode(config, five, unstable=150) is BabMode.INPUT
-    assert _bab_mode(config, five, unstable=3) is BabMode.RELU  # fewer ReLU splits than input dimensions
+    assert _bab_mode(config, five, unstable=3) is BabMode.NEURON  # fewer ReLU splits than input dimensions
     wide = Interval(torch.zeros(1, 784), torch.full((1, 784), 0.1))
-    assert _bab_mode(config, wide, unstable=150) is BabMode.RELU
+    assert _bab_mode(config, wide, unstable=150) is BabMode.NEURON
     assert _bab_mode(VerifyConfig(bab="input"), wide, unstable=150) is BabMode.INPUT
     small = _random_net(0, 3)
     prop, _ = _property(small, 3, safe=True)

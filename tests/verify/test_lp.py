@@ -180,7 +180,7 @@ def test_the_verifier_branches_on_refined_bounds(refine):
         y = graph(grid)
     threshold = float((y[:, 0] - y[:, 1]).min()) - 0.05
     case = Case(InputBox(-np.ones(3), np.ones(3)), (Disjunct(np.array([[1.0, -1.0]]), np.array([threshold])),))
-    config = VerifyConfig(timeout=60, bab=BabMode.RELU, refine=refine, attack_restarts=0)
+    config = VerifyConfig(timeout=60, bab=BabMode.NEURON, refine=refine, attack_restarts=0)
     result = verify(graph, Property(3, 2, (case,)), config)
     assert result.verdict is Verdict.UNSAT and result.refinement["solves"] > 0
 

@@ -103,7 +103,7 @@ def _random_net(seed: int, widths=(2, 12, 12, 2)) -> BoundGraph:
     return random_mlp(seed, widths)
 
 
-@pytest.mark.parametrize("bab", ["relu", "input"])
+@pytest.mark.parametrize("bab", ["neuron", "input"])
 @pytest.mark.parametrize("seed", range(12))
 def test_random_nets_agree_with_exhaustive_sampling(seed, bab):
     """y_0 − y_1 ≥ threshold over a 2-D box, with the threshold near the sampled minimum so that both

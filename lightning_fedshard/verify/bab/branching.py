@@ -1,4 +1,10 @@
-"""Which ReLU to split next: BaBSR scores, optionally refined by filtered smart branching (FSB)."""
+"""Which neuron to split next, and where: estimated gains, optionally refined by filtered smart branching (FSB).
+
+Every split node (the input of a ReLU, a sigmoid, a product, ...) is scored through the op that reads it: a ReLU
+by BaBSR's score, the other non-linear ops by the row's weight on their output times the relaxation gap the split
+would remove (GenBaB's idea; the split point is the op's own choice, e.g. a ReLU's 0, a product factor's 0 or
+middle, elsewhere the point that leaves the smallest gaps). The scores are weighted over the spec rows still open.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,14 @@ from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.beta import beta_crown
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
-from lightning_fedshard.verify.ops import Conv2d, Interval, Linear, ReLU
+from lightning_fedshard.verify.ops import Conv2d, Interval, Linear
 
-__all__ = ["choose_branches"]
+__all__ = ["branch_scores", "choose_branches"]
 
 
-def _pre_activation_bias(graph: BoundGraph, pre: str) -> Tensor:
-    """The constant term of the layer that computes ``pre``, per neuron (zero if it has none)."""
-    node = graph.by_name[pre]
+def _constant_term(graph: BoundGraph, name: str) -> Tensor:
+    """The constant term of the layer that computes node ``name``, per neuron (zero if it has none)."""
+    node = graph.by_name[name]
     bias = getattr(node.op, "bias", None) if isinstance(node.op, Linear | Conv2d) else None
     shape = node.shape
     if bias is None:
@@ -24,38 +30,54 @@ def _pre_activation_bias(graph: BoundGraph, pre: str) -> Tensor:
     return bias.view(-1, *([1] * (len(shape) - 1))).expand(shape) if isinstance(node.op, Conv2d) else bias
 
 
-def babsr_scores(graph: BoundGraph, domains: DomainBatch, relu_A: dict[str, Tensor], open_rows: Tensor) -> Tensor:
-    """BaBSR score ``[N, Σ neurons]`` of every free unstable neuron (``-inf`` elsewhere), layers concatenated in
-    the order of ``graph.relus``.
+def _consumer_inputs(graph: BoundGraph, name: str, bounds: dict[str, Interval]) -> tuple[list[Interval], int]:
+    consumer, index = graph.splitter[name]
+    return graph.consumer_inputs(consumer, bounds), index
 
-    The score estimates how much the bound would move if the neuron's relaxation were removed: its share of
-    the bias through the chord (``A·b·λ`` vs ``A·b·(λ−1)``) plus the chord's intercept ``min(A, 0)·(−λl)``,
-    averaged over the spec rows not yet ruled out (``open_rows [N, S]``).
-    """
+
+def branch_scores(graph: BoundGraph, domains: DomainBatch, kept: dict[str, Tensor], open_rows: Tensor) -> Tensor:
+    """Score ``[N, Σ neurons]`` of every neuron branch-and-bound may split (``-inf`` elsewhere), split nodes
+    concatenated in the order of ``graph.split_nodes``. ``kept`` holds the coefficients ``[S, N, *shape]`` that
+    arrived at each non-linear node's output; ``open_rows [N, S]`` the rows not yet ruled out."""
     weight = open_rows.T.to(graph.dtype) / open_rows.sum(1).clamp(min=1).to(graph.dtype)  # [S, N]
+    bounds = domains.bounds()
     scores = []
-    for relu in graph.relus:
-        pre = relu.inputs[0]
-        bounds = Interval(domains.lower[pre], domains.upper[pre])
-        slope, intercept = ReLU.upper_line(bounds)
-        A = relu_A.get(relu.name)
+    for name in graph.split_nodes:
+        consumer, _ = graph.splitter[name]
+        inputs, index = _consumer_inputs(graph, name, bounds)
+        A = kept.get(consumer.name)
         if A is None:
-            A = torch.zeros(open_rows.shape[1], len(domains), *relu.shape, dtype=graph.dtype, device=open_rows.device)
-        bias = _pre_activation_bias(graph, pre)
-        through_bias = torch.maximum(A * bias * (slope - 1), A * bias * slope)
-        score = (through_bias + A.clamp(max=0) * intercept).flatten(2)  # [S, N, size]
-        score = (score * weight.unsqueeze(-1)).sum(0).abs()
-        free = ReLU.unstable(bounds).flatten(1) & (domains.splits[pre].flatten(1) == 0)
+            A = torch.zeros(
+                open_rows.shape[1], len(domains), *consumer.shape, dtype=graph.dtype, device=open_rows.device
+            )
+        gain = consumer.op.branch_gain(A, inputs, index, _constant_term(graph, name)).flatten(2)  # [S, N, size]
+        score = (gain * weight.unsqueeze(-1)).sum(0).abs()
+        free = graph.split_mask(name, bounds).flatten(1)
         scores.append(torch.where(free, score, -torch.inf))
     return torch.cat(scores, 1)
 
 
 def _locate(graph: BoundGraph, flat: Tensor) -> tuple[Tensor, Tensor]:
-    """Concatenated neuron index → (layer index into ``graph.relus``, neuron index within the layer)."""
-    sizes = torch.tensor([relu.size for relu in graph.relus], device=flat.device)
+    """Concatenated neuron index → (index into ``graph.split_nodes``, neuron index within that node)."""
+    sizes = torch.tensor([graph.by_name[name].size for name in graph.split_nodes], device=flat.device)
     ends = sizes.cumsum(0)
     layer = torch.searchsorted(ends, flat, right=True)
     return layer, flat - (ends - sizes)[layer]
+
+
+def _points(graph: BoundGraph, domains: DomainBatch, layer: Tensor, neuron: Tensor, owner: Tensor) -> Tensor:
+    """The split point of each chosen ``(layer, neuron)`` of domain ``owner`` (all ``[M]``)."""
+    bounds = domains.bounds()
+    point = torch.zeros(layer.shape, dtype=graph.dtype, device=layer.device)
+    for index, name in enumerate(graph.split_nodes):
+        chosen = (layer == index).nonzero().flatten()
+        if not chosen.numel():
+            continue
+        consumer, input_index = graph.splitter[name]
+        inputs = graph.consumer_inputs(consumer, bounds)
+        points = consumer.op.split_point(inputs, input_index).flatten(1)  # [N, size]
+        point[chosen] = points[owner[chosen], neuron[chosen]].to(point.dtype)
+    return point
 
 
 def choose_branches(
@@ -63,31 +85,33 @@ def choose_branches(
     box: Interval,
     spec: OutputSpec,
     domains: DomainBatch,
-    relu_A: dict[str, Tensor],
+    kept: dict[str, Tensor],
     candidates: int = 1,
 ) -> Tensor:
-    """Set ``domains.branch_layer`` / ``branch_neuron``: the best BaBSR neuron, or with ``candidates > 1`` the
-    best of the top candidates by FSB — each candidate's two children bounded with the parent's α and β
-    (no optimisation), keeping the candidate whose worse child has the highest value.
+    """Set ``domains.branch_layer`` / ``branch_neuron`` / ``branch_point``: the best-scoring neuron, or with
+    ``candidates > 1`` the best of the top candidates by FSB — each candidate's two children bounded with the
+    parent's α and β (no optimisation), keeping the candidate whose worse child has the highest value.
 
-    Returns ``[N]`` booleans: whether the domain had any free unstable neuron left to split.
+    Returns ``[N]`` booleans: whether the domain had any neuron left to split.
     """
     open_rows = domains.margins <= 0
-    scores = babsr_scores(graph, domains, relu_A, open_rows)
+    scores = branch_scores(graph, domains, kept, open_rows)
+    n = len(domains)
+    owners = torch.arange(n, device=scores.device)
     k = min(candidates, scores.shape[1])
     top_scores, top = scores.topk(k, dim=1)  # [N, k]
     if k == 1:
         layer, neuron = _locate(graph, top[:, 0])
         domains.branch_layer, domains.branch_neuron = layer, neuron
+        domains.branch_point = _points(graph, domains, layer, neuron, owners)
         return top_scores[:, 0].isfinite()
-    pres = list(graph.pre_activation.values())
-    n = len(domains)
     layer, neuron = _locate(graph, top.T.reshape(-1))  # candidate-major: [k·N]
-    trials = domains.repeat(k).split(pres, layer, neuron)  # [2·k·N]: active children, then inactive
+    point = _points(graph, domains, layer, neuron, owners.repeat(k))
+    trials = domains.repeat(k).split(graph.split_nodes, layer, neuron, point)  # [2·k·N]: upper halves, then lower
     margins = beta_crown(graph, box, spec.rows(len(trials)), trials, iterations=0).lower.T - spec.rhs
     value = spec.value(torch.maximum(margins, trials.margins)).view(2, k, n).min(0).values  # [k, N]
     value = torch.where(top_scores.T.isfinite(), value, -torch.inf)
     best = value.argmax(0)
-    chosen = top[torch.arange(n, device=top.device), best]
-    domains.branch_layer, domains.branch_neuron = _locate(graph, chosen)
+    pick = best * n + owners  # candidate-major index of the chosen candidate
+    domains.branch_layer, domains.branch_neuron, domains.branch_point = layer[pick], neuron[pick], point[pick]
     return top_scores[:, 0].isfinite()

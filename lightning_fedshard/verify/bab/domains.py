@@ -23,30 +23,34 @@ _SPEC_MAJOR = ("betas", "alphas")
 
 @dataclass
 class DomainBatch:
-    """N sub-problems of one verification case, each a set of fixed ReLU phases.
+    """N sub-problems of one verification case, each a set of split assumptions on neurons.
 
-    Per pre-activation node (dicts keyed by node name): ``lower``/``upper`` ``[N, *shape]`` are its bounds,
-    clamped by the splits; ``splits`` ``[N, *shape]`` is ``+1`` where ``z ≥ 0`` was assumed, ``-1`` where
-    ``z ≤ 0``, 0 where free; ``betas`` ``[S, N, *shape]`` are β-CROWN's multipliers of those assumptions.
-    ``alphas`` (keyed by ReLU node) ``[S, N, *shape]`` are the output pass's lower slopes, inherited from the
-    parent. ``margins [N, S]`` are the best lower bounds of the spec rows, and ``branch_layer``/``branch_neuron``
-    ``[N]`` the split chosen for each domain (index into the pre-activation list, flat neuron index).
+    Per bounded node (``graph.bounded``, dicts keyed by node name): ``lower``/``upper`` ``[N, *shape]`` are its
+    bounds, tightened by the splits. Per split node (``graph.split_nodes``): ``splits`` ``[N, *shape]`` is ``+1``
+    where the last split there assumed ``z ≥ p``, ``-1`` where it assumed ``z ≤ p``, 0 where the neuron is unsplit,
+    with ``points`` ``[N, *shape]`` the split points ``p`` (0 for ReLUs); ``betas`` ``[S, N, *shape]`` are
+    β-CROWN's multipliers of those assumptions. ``alphas`` (keyed by non-linear node) ``[S, N, *alpha shape]`` are
+    the output pass's parameters, inherited from the parent. ``margins [N, S]`` are the best lower bounds of the
+    spec rows, and ``branch_layer``/``branch_neuron``/``branch_point`` ``[N]`` the split chosen for each domain
+    (index into ``graph.split_nodes``, flat neuron index, split point).
 
     Example::
 
-        children = parents.split(pre_activations, parents.branch_layer, parents.branch_neuron)
+        children = parents.split(graph.split_nodes, parents.branch_layer, parents.branch_neuron, parents.branch_point)
         alive = children.take(open_index)
     """
 
     lower: dict[str, Tensor]
     upper: dict[str, Tensor]
     splits: dict[str, Tensor]
+    points: dict[str, Tensor]
     betas: dict[str, Tensor]
     alphas: dict[str, Tensor]
     margins: Tensor
     depth: Tensor
     branch_layer: Tensor
     branch_neuron: Tensor
+    branch_point: Tensor
 
     @classmethod
     def unsplit(
@@ -57,21 +61,22 @@ class DomainBatch:
         alphas: dict[str, Tensor],
         lower: Tensor,
     ) -> DomainBatch:
-        """``N`` domains with nothing split: pre-activation ``bounds [N, *shape]``, output slopes
-        ``alphas [S, N, *shape]`` and the spec rows' lower bounds ``lower [S, N]``; β zero."""
-        pres = list(graph.pre_activation.values())
-        low = {pre: bounds[pre].lower for pre in pres}
+        """``N`` domains with nothing split: the bounded nodes' ``bounds [N, *shape]``, output parameters
+        ``alphas [S, N, *alpha shape]`` and the spec rows' lower bounds ``lower [S, N]``; β zero."""
+        low = {name: bounds[name].lower for name in graph.bounded}
         n, device = lower.shape[1], lower.device
         return cls(
             lower=low,
-            upper={pre: bounds[pre].upper for pre in pres},
-            splits={pre: torch.zeros_like(low[pre], dtype=torch.int8) for pre in pres},
-            betas={pre: low[pre].new_zeros(spec.num_rows, *low[pre].shape) for pre in pres},
+            upper={name: bounds[name].upper for name in graph.bounded},
+            splits={name: torch.zeros_like(low[name], dtype=torch.int8) for name in graph.split_nodes},
+            points={name: torch.zeros_like(low[name]) for name in graph.split_nodes},
+            betas={name: low[name].new_zeros(spec.num_rows, *low[name].shape) for name in graph.split_nodes},
             alphas={name: alpha.clone() for name, alpha in alphas.items()},
             margins=lower.T - spec.rhs,
             depth=torch.zeros(n, dtype=torch.long, device=device),
             branch_layer=torch.zeros(n, dtype=torch.long, device=device),
             branch_neuron=torch.zeros(n, dtype=torch.long, device=device),
+            branch_point=lower.new_zeros(n),
         )
 
     @classmethod
@@ -95,6 +100,11 @@ class DomainBatch:
 
     def bounds(self) -> dict[str, Interval]:
         return {name: Interval(self.lower[name], self.upper[name]) for name in self.lower}
+
+    def beta_terms(self, betas: dict[str, Tensor] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+        """β-CROWN's terms ``(β·s, p)`` per split node (of ``betas``, else the batch's own multipliers)."""
+        betas = self.betas if betas is None else betas
+        return {name: (beta * self.splits[name], self.points[name]) for name, beta in betas.items()}
 
     def _leaves(self) -> list[tuple[Tensor, int]]:
         """Every tensor with its domain dimension (1 for the spec-major ``alphas``/``betas``), in field order."""
@@ -130,23 +140,27 @@ class DomainBatch:
         for (t, dim), (s, _) in zip(self._leaves(), source._leaves(), strict=True):
             t.index_copy_(dim, index, s)
 
-    def split(self, pre_activations: list[str], layer: Tensor, neuron: Tensor) -> DomainBatch:
-        """The two children of every domain for the splits ``(layer, neuron) [N]``: rows ``0..N-1`` assume the
-        neuron active (``z ≥ 0``), rows ``N..2N-1`` inactive (``z ≤ 0``)."""
+    def split(self, split_nodes: list[str], layer: Tensor, neuron: Tensor, point: Tensor) -> DomainBatch:
+        """The two children of every domain for the splits ``(layer, neuron, point) [N]``: rows ``0..N-1`` assume
+        the neuron at least the point (``z ≥ p``; a ReLU active), rows ``N..2N-1`` at most (``z ≤ p``)."""
         children = self.repeat(2)
         n = len(self)
         rows = torch.arange(n, device=self.device)
-        for index, name in enumerate(pre_activations):
+        for index, name in enumerate(split_nodes):
             chosen = (layer == index).nonzero().flatten()
             if not chosen.numel():
                 continue
-            which = neuron[chosen]
-            lower, upper, splits = (t[name].flatten(1) for t in (children.lower, children.upper, children.splits))
-            active, inactive = rows[chosen], rows[chosen] + n
-            lower[active, which] = lower[active, which].clamp(min=0)
-            upper[inactive, which] = upper[inactive, which].clamp(max=0)
-            splits[active, which] = 1
-            splits[inactive, which] = -1
+            which, at = neuron[chosen], point[chosen].to(self.lower[name].dtype)
+            lower, upper, splits, points = (
+                t[name].flatten(1) for t in (children.lower, children.upper, children.splits, children.points)
+            )
+            above, below = rows[chosen], rows[chosen] + n
+            lower[above, which] = torch.maximum(lower[above, which], at)
+            upper[below, which] = torch.minimum(upper[below, which], at)
+            splits[above, which] = 1
+            splits[below, which] = -1
+            points[above, which] = at
+            points[below, which] = at
         children.depth = children.depth + 1
         return children
 

@@ -10,7 +10,8 @@ search, not as wide), bounds them together with CROWN (its intermediate passes s
   turn up where the bounds say they might be; every few rounds PGD starts in the worst boxes too;
 * shrinks it to the part where the linear bounds allow a counterexample ("clip": every row's lower plane must be
   ``≤ rhs`` there, which confines each coordinate in closed form), dropping it if nothing is left;
-* if it has few unstable ReLUs, sets it aside to be tried piece by piece (:mod:`.pieces`) with others like it;
+* if it has few unstable ReLUs (and no other non-linear op), sets it aside to be tried piece by piece
+  (:mod:`.pieces`) with others like it;
   a box a piece of which stays open is split like the rest;
 * bisects it along the dimensions its branching rule ranks first, several at once while the batch has room
   (2^k children).
@@ -34,12 +35,18 @@ from torch import Tensor
 
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.loop import BabOutcome
-from lightning_fedshard.verify.bab.pieces import PIECES_MAX_UNSTABLE, counterexample_among, prove_by_pieces
+from lightning_fedshard.verify.bab.pieces import (
+    PIECES_MAX_UNSTABLE,
+    counterexample_among,
+    pieces_apply,
+    prove_by_pieces,
+)
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
 from lightning_fedshard.verify.bounds.forward import forward_bounds
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
+from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec, round_outwards
+from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import past
 
@@ -235,7 +242,7 @@ def input_split(
             if by_phases:
                 cex = _try_phases(graph, spec, boxes, out, bounds, open_)
             else:
-                few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE)
+                few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE) & pieces_apply(graph)
                 search.phases.push(boxes.take(few))
                 open_ &= ~few
             if cex is not None:

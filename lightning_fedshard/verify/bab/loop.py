@@ -1,10 +1,13 @@
-"""The branch-and-bound loop over ReLU splits, bounded by β-CROWN.
+"""The branch-and-bound loop over neuron splits — ReLU phases, and the inputs of every other non-linear op
+(GenBaB) — bounded by β-CROWN.
 
 Best-first: each round takes the ``batch_size`` open domains with the lowest value, splits each on its chosen
-neuron, bounds all children in one β-CROWN batch, drops the children that are proven, and checks the
-minimising input corner of every open row for a counterexample (the "primal" point of the bound). Every few
-rounds PGD starts from those corners too. ``unsat`` needs every domain proven; a domain with nothing left to
-split that is not proven makes the answer ``unknown``.
+neuron at its chosen point, bounds all children in one β-CROWN batch, drops the children that are proven, and
+checks the minimising input corner of every open row for a counterexample (the "primal" point of the bound).
+Every few rounds PGD starts from those corners too. ``unsat`` needs every domain proven. A domain with nothing
+left to split that is not proven makes the answer ``unknown``: on a piecewise-linear graph after a longer β
+optimisation that settles it exactly; on one with smooth operators at once (splitting only narrows their
+intervals, so there is no finite end to it: GenBaB stops the same way).
 
 Domain-parallel (``domain_group``): the ranks grow one search together until it has a few domains per rank,
 then rank 0's domains are dealt out and every rank searches its share on its own, bounding ``1/P`` of the
@@ -66,12 +69,14 @@ def _primal_counterexample(graph: BoundGraph, spec: OutputSpec, corners: Tensor,
 
 
 def _settle(graph: BoundGraph, spec: OutputSpec, box: Interval, domains: DomainBatch, config: VerifyConfig) -> bool:
-    """Whether domains with every unstable neuron split are proven after a longer β optimisation.
+    """Whether domains with nothing left to split are proven after a longer β optimisation.
 
-    With all phases fixed the network is linear on such a domain and β-CROWN's bound converges to the exact
-    minimum over it (+∞ where the splits contradict each other), but only slowly; a domain still open after
-    this is left undecided.
+    On a piecewise-linear graph (``graph.exact_when_split``) the network is linear on such a domain and β-CROWN's
+    bound converges to the exact minimum over it (+∞ where the splits contradict each other), but only slowly; a
+    domain still open after this is left undecided. Elsewhere the relaxations stay loose: not settled.
     """
+    if not graph.exact_when_split:
+        return False
     n = len(domains)
     result = beta_crown(
         graph,
@@ -134,10 +139,10 @@ def branch_and_bound(
 ) -> BabOutcome:
     """Decide the case that α-CROWN could not prove at the root (``root``: its bounds and slopes); with a
     ``domain_group`` the search is spread over its ranks (see the module docs)."""
-    relu_names = [relu.name for relu in graph.relus]
+    kept_names = sorted({consumer.name for consumer, _ in graph.splitter.values()})
     start = DomainBatch.at_root(graph, spec, root)
     with torch.no_grad():
-        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=relu_names)
+        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=kept_names)
     if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates).all():
         return BabOutcome(Verdict.UNKNOWN, None, 0, 0, 1)
     parallel = _DomainParallel(domain_group) if domain_group is not None else None
@@ -175,7 +180,7 @@ def branch_and_bound(
             # Domain-parallel rounds are local: no rank waits for another inside them.
             with lockstep(None) if parallel is not None else nullcontext():
                 cex, count, depth, round_stuck = _round(
-                    graph, spec, box, pool, batch, config, deadline, generator, rounds, relu_names, stuck
+                    graph, spec, box, pool, batch, config, deadline, generator, rounds, kept_names, stuck
                 )
             own_bounded, shared_bounded = (
                 (own_bounded + count, shared_bounded) if dealt else (0, shared_bounded + count)
@@ -200,16 +205,15 @@ def _round(
     deadline: float,
     generator: torch.Generator | None,
     rounds: int,
-    relu_names: list[str],
+    kept_names: list[str],
     stuck: bool,
 ) -> tuple[Tensor | None, int, int, bool]:
     """One round: split the worst domains, bound the children, look for a counterexample, push the open ones.
     Returns the counterexample (or ``None``), the children bounded, their deepest depth and whether some domain
     could not be decided (once one could not, ``stuck``, the answer cannot be unsat and fully split domains are
     no longer settled)."""
-    pres = list(graph.pre_activation.values())
     parents = pool.pop_worst(batch_size, spec.value)
-    children = parents.split(pres, parents.branch_layer, parents.branch_neuron)
+    children = parents.split(graph.split_nodes, parents.branch_layer, parents.branch_neuron, parents.branch_point)
     n = len(children)
     result = beta_crown(
         graph,
@@ -221,7 +225,7 @@ def _round(
         config.beta_lr_beta,
         stop_above=spec.rhs.view(-1, 1).expand(-1, n),
         deadline=deadline,
-        keep=relu_names,
+        keep=kept_names,
     )
     # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
     children.margins = torch.maximum(result.lower.T - spec.rhs, children.margins)

@@ -21,12 +21,17 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Interval, ReLU
 
-__all__ = ["PIECES_MAX_UNSTABLE", "counterexample_among", "prove_by_pieces"]
+__all__ = ["PIECES_MAX_UNSTABLE", "counterexample_among", "pieces_apply", "prove_by_pieces"]
 
 #: Boxes with at most this many unstable ReLUs are tried piece by piece (2^u pieces each).
 PIECES_MAX_UNSTABLE = 4
 #: β-CROWN over the pieces: rounds, iterations per round, learning rates of α and β.
 _ROUNDS, _ITERATIONS, _LR = 5, 10, (0.01, 0.05)
+
+
+def pieces_apply(graph: BoundGraph) -> bool:
+    """Whether the graph's only non-linear ops are ReLUs, whose phases cut a box into linear pieces."""
+    return bool(graph.nonlinear) and all(isinstance(node.op, ReLU) for node in graph.nonlinear)
 
 
 def counterexample_among(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> Tensor | None:
@@ -38,7 +43,7 @@ def counterexample_among(graph: BoundGraph, spec: OutputSpec, points: Tensor) ->
 
 def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -> tuple[DomainBatch, Tensor]:
     """Every combination of phases of the domains' unstable ReLUs, as domains (``owner``: their box)."""
-    pres = list(graph.pre_activation.values())
+    pres = graph.split_nodes  # every one a ReLU's input (pieces_apply)
     finished, owners = [], []
     while len(domains):
         layer = torch.full((len(domains),), -1, dtype=torch.long, device=domains.device)
@@ -53,7 +58,8 @@ def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -
         finished.append(domains.take((~split).nonzero().flatten()))
         owners.append(owner[~split])
         chosen = split.nonzero().flatten()
-        domains = domains.take(chosen).split(pres, layer[chosen], neuron[chosen])
+        zero = torch.zeros(len(chosen), dtype=domains.margins.dtype, device=domains.device)
+        domains = domains.take(chosen).split(pres, layer[chosen], neuron[chosen], zero)
         owner = owner[chosen].repeat(2)
     return DomainBatch.cat(finished), torch.cat(owners)
 

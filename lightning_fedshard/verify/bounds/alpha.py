@@ -1,10 +1,12 @@
-"""α-CROWN: CROWN with its ReLU lower slopes optimised by projected gradient ascent on the bound.
+"""α-CROWN: CROWN with the relaxations' free parameters optimised by projected gradient ascent on the bound.
 
-Every pass (one per refined pre-activation node, plus the output spec) gets its own slopes
-``α[start][relu] : [S_start, B, *relu shape]`` (S_start = 2·unstable neurons for an intermediate node, the spec
-rows for the output), initialised to CROWN's adaptive slopes. Each iteration recomputes all intermediate bounds
-with the current slopes, bounds the spec, and takes an Adam step on ``-Σ lower bounds``; slopes are projected
-back to ``[0, 1]``, and the best bound seen for every row (and every intermediate neuron) is kept.
+Every pass (one per refined bounded node, plus the output spec) gets its own parameters
+``α[start][node] : [S_start, B, *alpha shape]`` (S_start = 2·refined neurons for an intermediate node, the spec
+rows for the output) for every non-linear op it crosses that has any (ReLU: its lower slope; the other element-wise
+functions: where their two slopes lie; products: the weights of their McCormick planes), initialised to CROWN's
+choice. Each iteration recomputes all intermediate bounds with the current parameters, bounds the spec, and takes
+an Adam step on ``-Σ lower bounds``; the parameters are projected back to ``[0, 1]`` (every value there is a valid
+relaxation), and the best bound seen for every row (and every intermediate neuron) is kept.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import agree, past
 from lightning_fedshard.verify.shard.rows import RowPartition
 
@@ -25,8 +27,8 @@ __all__ = ["AlphaResult", "alpha_crown", "initial_alphas"]
 
 @dataclass
 class AlphaResult:
-    """Best bounds found: ``lower [S, B]`` of the spec, the pre-activation ``bounds`` (each at least as tight as
-    CROWN's), the output pass's slopes ``alphas[relu] [S, B, *shape]`` that reached ``lower`` (to start
+    """Best bounds found: ``lower [S, B]`` of the spec, the bounded nodes' ``bounds`` (each at least as tight as
+    CROWN's), the output pass's parameters ``alphas[node] [S, B, *alpha shape]`` that reached ``lower`` (to start
     branch-and-bound from) and the number of iterations run."""
 
     lower: Tensor
@@ -36,17 +38,18 @@ class AlphaResult:
 
     def rows(self, index: Tensor) -> AlphaResult:
         """The result restricted to spec rows ``index`` (the intermediate bounds are shared by all rows)."""
-        alphas = {relu: alpha[index] for relu, alpha in self.alphas.items()}
+        alphas = {name: alpha[index] for name, alpha in self.alphas.items()}
         return AlphaResult(self.lower[index], self.bounds, alphas, self.iterations)
 
 
 def initial_alphas(graph: BoundGraph, start: str, rows: int, bounds: dict[str, Interval]) -> dict[str, Tensor]:
-    """CROWN's adaptive slopes for every ReLU that the pass from ``start`` crosses, as ``[rows, B, *shape]``."""
+    """CROWN's choice as α ``[rows, B, *alpha shape]`` for every op with α that the pass from ``start`` crosses."""
     alphas = {}
     for node in graph.ancestors(start):
-        if isinstance(node.op, ReLU):
-            slope = ReLU.adaptive_slope(bounds[node.inputs[0]])
-            alphas[node.name] = slope.unsqueeze(0).repeat(rows, *([1] * slope.dim()))
+        if node.op is None or node.op.alpha_shape(node.shape) is None:
+            continue
+        alpha = node.op.initial_alpha([bounds[name] for name in node.inputs])
+        alphas[node.name] = alpha.unsqueeze(0).repeat(rows, *([1] * alpha.dim()))
     return alphas
 
 
@@ -96,8 +99,8 @@ def alpha_crown(
     parameters = [alpha.requires_grad_() for per_start in alphas.values() for alpha in per_start.values()]
 
     best_lower = crown_lower.clone()
-    best_bounds = {pre: start_bounds[pre] for pre in graph.pre_activation.values() if pre in start_bounds}
-    best_alphas = {relu: alpha.detach().clone() for relu, alpha in alphas[output].items()}
+    best_bounds = {name: start_bounds[name] for name in graph.bounded if name in start_bounds}
+    best_alphas = {name: alpha.detach().clone() for name, alpha in alphas[output].items()}
     if not parameters:
         return AlphaResult(best_lower, best_bounds, _whole(best_alphas, C.shape[0], partition), 0)
 
@@ -138,9 +141,9 @@ def alpha_crown(
             (-(lower[mine].sum() + lower_best[mine].sum())).backward()
         with torch.no_grad():
             improved = (lower_best.detach() > best_lower)[mine]
-            for relu, alpha in alphas[output].items():
+            for name, alpha in alphas[output].items():
                 mask = improved.view(*improved.shape, *([1] * (alpha.dim() - 2)))
-                best_alphas[relu] = torch.where(mask, alpha.detach(), best_alphas[relu])
+                best_alphas[name] = torch.where(mask, alpha.detach(), best_alphas[name])
             best_lower = torch.maximum(best_lower, torch.maximum(lower.detach(), lower_best.detach()))
             optimizer.step()
             schedule.step()
@@ -152,4 +155,4 @@ def alpha_crown(
 def _whole(alphas: dict[str, Tensor], rows: int, partition: RowPartition | None) -> dict[str, Tensor]:
     if partition is None:
         return alphas
-    return {relu: partition.gather(alpha, rows) for relu, alpha in alphas.items()}
+    return {name: partition.gather(alpha, rows) for name, alpha in alphas.items()}

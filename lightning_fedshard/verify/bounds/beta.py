@@ -1,10 +1,12 @@
 """β-CROWN: bounds of branch-and-bound domains, with the split assumptions enforced by Lagrange multipliers.
 
-A domain assumes ``s_j·z_j ≥ 0`` for its split neurons. For any ``β_j ≥ 0`` the term ``−β_j s_j z_j`` is
-non-positive on the domain, so adding it to the objective keeps a valid lower bound; in the backward pass it
-subtracts ``β·s`` from the coefficients arriving at the pre-activation node. β and the output pass's slopes α
-are optimised jointly by projected Adam, keeping the best bound of every (row, domain). Intermediate bounds
-stay those of the parent, clamped by the splits (sound, since a child's inputs are a subset of its parent's).
+A domain assumes ``s_j·(z_j − p_j) ≥ 0`` for its split neurons (``p_j = 0`` for a ReLU phase; GenBaB's split
+points elsewhere). For any ``β_j ≥ 0`` the term ``−β_j s_j (z_j − p_j)`` is non-positive on the domain, so adding
+it to the objective keeps a valid lower bound; in the backward pass it subtracts ``β·s`` from the coefficients
+arriving at the split node and adds ``β·s·p`` to the bound. β and the output pass's parameters α are optimised
+jointly by projected Adam, keeping the best bound of every (row, domain). Intermediate bounds stay those of the
+parent, tightened by the splits (sound, since a child's inputs are a subset of its parent's); the relaxations that
+read a split neuron are rebuilt on its narrower interval.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ __all__ = ["beta_crown"]
 
 
 def _bound(graph: BoundGraph, box: Interval, C: Tensor, domains: DomainBatch, keep: Collection[str]) -> Backward:
-    betas = {pre: beta * domains.splits[pre] for pre, beta in domains.betas.items()}
-    return backward_bound(graph, graph.output.name, C, box, domains.bounds(), domains.alphas, betas, keep)
+    return backward_bound(
+        graph, graph.output.name, C, box, domains.bounds(), domains.alphas, domains.beta_terms(), keep
+    )
 
 
 def beta_crown(

@@ -1,9 +1,10 @@
 """CROWN: linear bounds carried backwards through the graph, concretised over the input box.
 
 One pass bounds ``Σ C·v`` from below for a node ``v`` and spec rows ``C [S, B, *v.shape]``; upper bounds are
-lower bounds of ``-C``. Intermediate (pre-activation) bounds come from the same pass started at each
-pre-activation node, restricted to its unstable neurons, in topological order so that every pass only needs
-bounds that are already known. Passes started at a convolutional node carry their coefficients as
+lower bounds of ``-C``. Intermediate bounds — of every node whose interval a relaxation reads (ReLU inputs, the
+inputs of every other non-linear op) — come from the same pass started at that node, restricted to the neurons
+whose bounds matter to those relaxations (for ReLU the unstable ones), in topological order so that every pass
+only needs bounds that are already known. Passes started at a convolutional node carry their coefficients as
 :class:`~lightning_fedshard.verify.ops.Patches` (local windows) for as long as the ops allow ("patches mode"); the
 dense "matrix" mode gives the same bounds with far more memory.
 """
@@ -26,10 +27,10 @@ __all__ = [
     "Backward",
     "backward_bound",
     "intermediate_bounds",
+    "open_neurons",
     "selection_rows",
     "spec_lower",
     "unstable_count",
-    "unstable_neurons",
 ]
 
 
@@ -62,20 +63,21 @@ def backward_bound(
     box: Interval,
     bounds: Mapping[str, Interval],
     alphas: Mapping[str, Tensor] | None = None,
-    betas: Mapping[str, Tensor] | None = None,
+    betas: Mapping[str, tuple[Tensor, Tensor | None]] | None = None,
     keep: Collection[str] = (),
     deadline: float | None = None,
 ) -> Backward:
     """Lower bound of ``Σ C·start`` over ``box``; ``C [S, B, *start shape]`` dense, or :class:`Patches`.
 
-    ``bounds`` must hold the pre-activation bounds of every ReLU the pass crosses; other ops that need their
-    inputs' intervals (tensor-parallel zones) get them by interval propagation from the nearest known bounds.
-    ``alphas`` maps ReLU node
-    names to lower slopes ``[S, B, *shape]`` (else CROWN's adaptive slopes); ``betas`` maps pre-activation
-    names to β-CROWN's signed Lagrangian terms ``β·s`` (``s = +1`` for an active split ``z ≥ 0``, ``-1`` for an
-    inactive one), subtracted from the coefficients arriving there (dense passes only). Patches reaching an op
-    without ``accepts_patches`` (Reshape, Linear) are made dense there. A one-rank pass stops at the ``deadline``
-    between operator steps (:class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`).
+    ``bounds`` must hold the intervals of every node a relaxation the pass crosses reads (``graph.bounded``); other
+    ops that need their inputs' intervals (tensor-parallel zones) get them by interval propagation from the nearest
+    known bounds. ``alphas`` maps non-linear node names to their α ``[S, B, *alpha shape]`` (else CROWN's
+    choice); ``betas`` maps split nodes to β-CROWN's terms ``(β·s, p)`` for the split assumptions
+    ``s·(z − p) ≥ 0`` (``s = +1`` above the split point ``p``, ``-1`` below, 0 unsplit; ``p = None``: 0):
+    ``β·s`` is subtracted from the coefficients arriving there and ``Σ β·s·p`` added to the bound (dense passes
+    only). Patches reaching an op without ``accepts_patches`` (Reshape, Linear) are made dense there. A one-rank
+    pass stops at the ``deadline`` between operator steps
+    (:class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`).
     """
     known = {graph.input.name: box, **bounds}
 
@@ -95,7 +97,10 @@ def backward_bound(
             continue
         check_deadline_between_steps(deadline)
         if betas is not None and node.name in betas:
-            A = A - betas[node.name]
+            signed, point = betas[node.name]
+            A = A - signed
+            if point is not None:
+                bias = bias + contract(signed, point)
         if node.name in keep:
             kept[node.name] = A
         if node.op is None:
@@ -142,9 +147,10 @@ def unstable_count(graph: BoundGraph, bounds: Mapping[str, Interval]) -> Tensor:
     return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
 
 
-def unstable_neurons(pre: Interval) -> Tensor:
-    """Flat indices of the neurons that are unstable (``l < 0 < u``) for at least one batch element."""
-    return ReLU.unstable(pre).flatten(1).any(0).nonzero().flatten()
+def open_neurons(graph: BoundGraph, bounds: Mapping[str, Interval]) -> Tensor:
+    """Neurons branch-and-bound could still split, per batch element ``[B]`` (for ReLU: the unstable ones)."""
+    counts = [graph.split_mask(name, bounds).flatten(1).sum(1) for name in graph.split_nodes]
+    return sum(counts) if counts else torch.zeros(bounds[graph.input.name].lower.shape[0], dtype=torch.long)
 
 
 def selection_rows(index: Tensor, batch: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -189,18 +195,18 @@ def intermediate_bounds(
     forward: bool = False,
     deadline: float | None = None,
 ) -> dict[str, Interval]:
-    """Bounds of every node up to the output: interval propagation, with each pre-activation node tightened by
-    CROWN on its unstable neurons (``crown=False``: IBP alone).
+    """Bounds of every node up to the output: interval propagation, with each bounded node (``graph.bounded``)
+    tightened by CROWN on the neurons its relaxations need (``crown=False``: IBP alone).
 
-    ``alphas[start][relu]`` are α-CROWN's slopes for the pass started at pre-activation ``start``;
+    ``alphas[start][node]`` are α-CROWN's parameters for the pass started at bounded node ``start``;
     ``reference`` bounds (known valid, e.g. from a previous pass) are intersected in; ``rows[start]`` fixes the
     neurons refined by CROWN (α-CROWN keeps them fixed so its slope tensors keep their shape), else they are
-    the unstable ones. With ``intersect_ibp=False`` CROWN's bounds replace the interval ones on those neurons,
+    those the relaxations need (``graph.refine_mask``: for ReLU the unstable ones). With ``intersect_ibp=False`` CROWN's bounds replace the interval ones on those neurons,
     as auto_LiRPA does (its reference numbers are reproduced that way). Intersecting tightens the refined layer
     itself; deeper layers are usually tighter too, not always (tighter bounds can flip adaptive slopes).
     ``used_rows``, when given, receives the neurons refined at each pre-activation node.
 
-    ``conv_mode="patches"`` starts the passes of convolutional pre-activation nodes ``(C, H, W)`` (those behind a
+    ``conv_mode="patches"`` starts the passes of convolutional bounded nodes ``(C, H, W)`` (those behind a
     convolution) from :class:`Patches` rows, unless α slopes are given for them (α is per row and dense anyway);
     ``"matrix"`` uses dense rows everywhere. Both give the same bounds up to rounding.
 
@@ -216,7 +222,7 @@ def intermediate_bounds(
     """
     if conv_mode not in ("patches", "matrix"):
         raise ValueError(f"conv_mode must be 'patches' or 'matrix', got {conv_mode!r}")
-    pre_activations = set(graph.pre_activation.values())
+    bounded = set(graph.bounded)
     bounds: dict[str, Interval] = {graph.input.name: box}
     linear = ForwardPass(box) if forward else None
     if linear is not None:
@@ -226,12 +232,16 @@ def intermediate_bounds(
         interval = node.op.ibp(*(bounds[name] for name in node.inputs))
         if linear is not None:
             interval = linear.tighten(node, interval, bounds)
-        if node.name in pre_activations:
+        if node.name in bounded:
             if reference is not None and node.name in reference:
                 ref = reference[node.name]
                 interval = Interval(torch.maximum(interval.lower, ref.lower), torch.minimum(interval.upper, ref.upper))
             if crown and not graph.ibp_is_exact(node.name):
-                index = rows[node.name] if rows is not None and node.name in rows else unstable_neurons(interval)
+                if rows is not None and node.name in rows:
+                    index = rows[node.name]
+                else:
+                    mask = graph.refine_mask(node.name, {**bounds, node.name: interval})
+                    index = mask.flatten(1).any(0).nonzero().flatten()
                 if used_rows is not None:
                     used_rows[node.name] = index
                 if index.numel():

@@ -6,8 +6,9 @@ carries ``2·(d+1)·n`` coefficients per box, where a CROWN pass started at it c
 crosses (``u`` unstable neurons, all nodes before it). It is looser than CROWN, whose backward passes choose the
 ReLU relaxation per row, but on the small boxes of input-space branch-and-bound the gap closes, at a twentieth of
 the cost. Affine operators map the functions through their centre and radius (``L(mid) ± |L|(rad)``, the linear
-version of interval propagation); a ReLU takes the chord above and the adaptive line below; an operator with no
-forward rule falls back to its interval bounds (constant functions).
+version of interval propagation), joins (Concat) and sums join and add them; an element-wise non-linear op takes
+its two lines (CROWN's choice: for ReLU the chord above and the adaptive line below); an operator with no forward
+rule falls back to its interval bounds (constant functions).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph, Node
-from lightning_fedshard.verify.ops import Add, Interval, LinearOp, ReLU
+from lightning_fedshard.verify.ops import Activation, Add, Concat, Interval, LinearOp
 
 __all__ = ["ForwardPass", "LinearFunctions", "forward_bounds"]
 
@@ -82,13 +83,40 @@ def _through_linear(op: LinearOp, functions: LinearFunctions, out_shape: tuple[i
     return LinearFunctions(mid - rad, mid + rad)
 
 
-def _through_relu(functions: LinearFunctions, pre: Interval) -> LinearFunctions:
-    slope, intercept = ReLU.upper_line(pre)
-    lower_slope = ReLU().lower_slope(pre, None)
-    upper = functions.upper * slope.unsqueeze(1)
-    upper = upper.clone()
-    upper[:, -1] += intercept
-    return LinearFunctions(functions.lower * lower_slope.unsqueeze(1), upper)
+def _through_activation(op: Activation, functions: LinearFunctions, pre: Interval) -> LinearFunctions:
+    """``a_L·z + b_L ≤ f(z) ≤ a_U·z + b_U`` with ``z`` between its two functions: each line takes the function on
+    the side its slope's sign asks for."""
+    lines = op.relax(pre)
+
+    def line(slope: Tensor, bias: Tensor | None, toward: Tensor, away: Tensor) -> Tensor:
+        slope = slope.unsqueeze(1)
+        out = torch.where(slope >= 0, toward, away) * slope
+        if bias is not None:
+            out = out.clone()
+            out[:, -1] += bias
+        return out
+
+    return LinearFunctions(
+        line(lines.lower_slope, lines.lower_bias, functions.lower, functions.upper),
+        line(lines.upper_slope, lines.upper_bias, functions.upper, functions.lower),
+    )
+
+
+def _through_concat(op: Concat, sources: list[LinearFunctions], box: Interval) -> LinearFunctions:
+    """The pieces joined along the op's axis (a constant piece is a constant function)."""
+    batch, d = box.lower.shape[0], box.lower[0].numel()
+    computed = iter(sources)
+    lower, upper = [], []
+    for part in op.parts:
+        if part is None:
+            piece = next(computed)
+            lower.append(piece.lower)
+            upper.append(piece.upper)
+        else:
+            constant = LinearFunctions.constant(Interval(*(part.expand(batch, *part.shape),) * 2), d)
+            lower.append(constant.lower)
+            upper.append(constant.upper)
+    return LinearFunctions(torch.cat(lower, op.axis + 2), torch.cat(upper, op.axis + 2))
 
 
 class ForwardPass:
@@ -124,8 +152,10 @@ class ForwardPass:
                 if op.subtract
                 else LinearFunctions(a.lower + b.lower, a.upper + b.upper)
             )
-        elif isinstance(op, ReLU):
-            mapped = _through_relu(sources[0], bounds[node.inputs[0]])
+        elif isinstance(op, Concat):
+            mapped = _through_concat(op, sources, self.box)
+        elif isinstance(op, Activation):
+            mapped = _through_activation(op, sources[0], bounds[node.inputs[0]])
         else:  # no forward rule: constant functions of its interval
             self.functions[node.name] = LinearFunctions.constant(interval, self.d)
             return interval

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import round_outwards
 from lightning_fedshard.verify.ops import Add, ElementwiseAffine, Interval, LeftLinear, Linear, LinearOp, ReLU, Reshape
 
 __all__ = ["NetworkProgram", "RefineStats", "refine_bounds", "supports_programs"]

@@ -1,28 +1,77 @@
-"""One bound class per operator: forward, interval propagation (IBP) and the CROWN backward step."""
+"""One bound class per operator: forward, interval propagation (IBP) and the CROWN backward step.
 
+Affine operators derive both from their linear map (:class:`LinearOp`); the non-linear ones relax their function
+over their inputs' intervals: element-wise functions by two lines (:class:`Activation`: ReLU and the other
+piecewise-linear functions, the smooth ones, Sign and Floor), the product of two computed tensors by McCormick
+planes (:class:`Mul`), maxima over windows (:class:`WindowMax`) and softmax as its parts.
+"""
+
+from lightning_fedshard.verify.ops.activation import Activation, Lines
 from lightning_fedshard.verify.ops.add import Add
 from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract
-from lightning_fedshard.verify.ops.conv import Conv2d
+from lightning_fedshard.verify.ops.bilinear import Mul
+from lightning_fedshard.verify.ops.conv import Conv2d, ConvTranspose2d
 from lightning_fedshard.verify.ops.elementwise import BatchNorm, ElementwiseAffine
 from lightning_fedshard.verify.ops.linear import LeftLinear, Linear
 from lightning_fedshard.verify.ops.patches import Patches
 from lightning_fedshard.verify.ops.pool import AvgPool2d
-from lightning_fedshard.verify.ops.relu import ReLU
+from lightning_fedshard.verify.ops.relu import Clip, LeakyReLU, PiecewiseLinear, ReLU
 from lightning_fedshard.verify.ops.reshape import Reshape
+from lightning_fedshard.verify.ops.smooth import (
+    Cos,
+    Exp,
+    Log,
+    Pow,
+    Reciprocal,
+    Sigmoid,
+    Sin,
+    SmoothActivation,
+    Sqrt,
+    Tanh,
+)
+from lightning_fedshard.verify.ops.softmax import Softmax
+from lightning_fedshard.verify.ops.steps import Floor, Sign
+from lightning_fedshard.verify.ops.structural import Concat, Reduce, Select, Transpose
+from lightning_fedshard.verify.ops.window_max import WindowMax
 
 __all__ = [
+    "Activation",
     "Add",
     "AvgPool2d",
     "BatchNorm",
     "BoundOp",
+    "Clip",
+    "Concat",
     "Conv2d",
+    "ConvTranspose2d",
+    "Cos",
     "ElementwiseAffine",
+    "Exp",
+    "Floor",
     "Interval",
+    "LeakyReLU",
     "LeftLinear",
     "Linear",
     "LinearOp",
+    "Lines",
+    "Log",
+    "Mul",
     "Patches",
+    "PiecewiseLinear",
+    "Pow",
     "ReLU",
+    "Reciprocal",
+    "Reduce",
     "Reshape",
+    "Select",
+    "Sigmoid",
+    "Sign",
+    "Sin",
+    "SmoothActivation",
+    "Softmax",
+    "Sqrt",
+    "Tanh",
+    "Transpose",
+    "WindowMax",
     "contract",
 ]

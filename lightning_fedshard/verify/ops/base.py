@@ -75,6 +75,12 @@ class BoundOp(ABC):
     accepts_patches: bool = False
     #: Whether :meth:`backward` needs the intervals of its inputs (relaxations of non-linear ops do).
     needs_input_bounds: bool = False
+    #: The inputs whose intervals the relaxation is built on: the graph tightens their bounds by CROWN before this
+    #: op is crossed, and branch-and-bound keeps them per domain.
+    relaxed_inputs: tuple[int, ...] = ()
+    #: The inputs branch-and-bound may split (a subset of ``relaxed_inputs``); such an op also provides
+    #: ``split_mask``, ``split_point`` and ``branch_gain`` (see :class:`~.activation.Activation`).
+    split_inputs: tuple[int, ...] = ()
 
     @abstractmethod
     def forward(self, *inputs: Tensor) -> Tensor: ...
@@ -90,8 +96,23 @@ class BoundOp(ABC):
 
         Returns one coefficient tensor per input (``None`` where the bound does not depend on it) and the
         constant added on the way (``[S, B]``, or ``None`` for zero). ``inputs`` are the intervals of the
-        input nodes where the op needs them (ReLU), ``alpha`` the optimisable lower slopes (ReLU only).
+        input nodes where the op needs them (non-linear ops), ``alpha`` its α-CROWN parameters
+        ``[S, B, *alpha_shape]`` (``None``: CROWN's choice).
         """
+
+    def alpha_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of this op's α per (row, batch element) for an output of ``shape``; ``None``: no α."""
+        return None
+
+    def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor | None:
+        """α ``[B, *alpha_shape]`` that reproduces CROWN's relaxation on these input intervals."""
+        return None
+
+    def refine_mask(self, inputs: Sequence[Interval | None], index: int) -> Tensor:
+        """``[B, *input shape]``: the neurons of relaxed input ``index`` whose tighter bounds would tighten this
+        relaxation (those whose interval has width, by default)."""
+        pre = inputs[index]
+        return pre.upper > pre.lower
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> BoundOp:
         """This op with its floating-point constants in ``dtype`` (the graph computes in one dtype) and all its

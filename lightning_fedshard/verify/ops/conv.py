@@ -94,3 +94,69 @@ class Conv2d(LinearOp):
 
     def __repr__(self) -> str:
         return f"Conv2d({self.weight.shape[1] * self.groups}→{self.weight.shape[0]}, k={tuple(self.weight.shape[2:])})"
+
+
+class ConvTranspose2d(LinearOp):
+    """``y = crop(conv_transpose2d(x, W)) + b`` on ``[B, C, H, W]`` (ONNX ConvTranspose): ``weight [C_in, C_out /
+    groups, kH, kW]``, ``pads`` ONNX's ``(top, left, bottom, right)`` cropped from the full output and
+    ``output_padding`` rows/columns added after it. The backward step is the convolution with the same weight
+    (the adjoint), applied to the coefficients padded back to the full output.
+
+    Example::
+
+        up = ConvTranspose2d(weight, bias, stride=(2, 2))   # [B, 8, 4, 4] -> [B, C_out, 8, 8] for 2×2 kernels
+    """
+
+    onnx_types = ("ConvTranspose",)
+
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        stride: tuple[int, int] = (1, 1),
+        pads: tuple[int, int, int, int] = (0, 0, 0, 0),
+        output_padding: tuple[int, int] = (0, 0),
+        dilation: tuple[int, int] = (1, 1),
+        groups: int = 1,
+    ) -> None:
+        if weight.dim() != 4:
+            raise ValueError(
+                f"ConvTranspose2d weight must be 4-D [C_in, C_out/groups, kH, kW], got {tuple(weight.shape)}"
+            )
+        if any(p >= s and p >= d for p, s, d in zip(output_padding, stride, dilation, strict=True)):
+            raise ValueError(f"output_padding {output_padding} must be smaller than the stride or the dilation")
+        self.weight, self.bias = weight, bias
+        self.stride, self.pads, self.output_padding, self.dilation, self.groups = (
+            stride,
+            pads,
+            output_padding,
+            dilation,
+            groups,
+        )
+
+    def _crop(self) -> tuple[int, int, int, int]:
+        """``F.pad`` amounts (left, right, top, bottom) taking the full output to ONNX's (negative: crop)."""
+        top, left, bottom, right = self.pads
+        return (-left, self.output_padding[1] - right, -top, self.output_padding[0] - bottom)
+
+    def _apply(self, x: Tensor, weight: Tensor) -> Tensor:
+        full = F.conv_transpose2d(x, weight, None, self.stride, 0, 0, self.groups, self.dilation)
+        return F.pad(full, self._crop())
+
+    def linear(self, x: Tensor) -> Tensor:
+        return self._apply(x, self.weight)
+
+    def abs_linear(self, x: Tensor) -> Tensor:
+        return self._apply(x, self.weight.abs())
+
+    def transpose(self, A: Tensor) -> Tensor:
+        S, B = A.shape[:2]
+        full = F.pad(A.reshape(S * B, *A.shape[2:]), tuple(-p for p in self._crop()))
+        out = F.conv2d(full, self.weight, None, self.stride, 0, self.dilation, self.groups)
+        return out.reshape(S, B, *out.shape[1:])
+
+    def constant(self) -> Tensor | None:
+        return None if self.bias is None else self.bias.view(-1, 1, 1)
+
+    def __repr__(self) -> str:
+        return f"ConvTranspose2d({self.weight.shape[0]}→{self.weight.shape[1] * self.groups}, k={tuple(self.weight.shape[2:])})"

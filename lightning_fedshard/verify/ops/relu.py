@@ -1,23 +1,110 @@
-"""ReLU: the one non-linear operator, relaxed by two lines between its pre-activation bounds."""
+"""Continuous piecewise-linear functions — ReLU, LeakyReLU, Abs, Clip — linear between their kinks.
+
+On ``[l, u]`` the extreme of ``f(x) − a·x`` lies at an endpoint or a kink, so every slope has an exact intercept
+(:meth:`PiecewiseLinear.offset`), and a neuron whose interval holds no kink is exact. Splitting a neuron at a kink
+removes it from both halves, so a branch-and-bound domain with nothing left to split is linear
+(``exact_when_split``). ReLU, the operator every bound pass crosses most, builds its lines directly in the working
+dtype (the same lines, a few element-wise operations instead of a float64 search).
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract
+from lightning_fedshard.verify.floats import round_up
+from lightning_fedshard.verify.ops.activation import Activation, Lines
+from lightning_fedshard.verify.ops.base import Interval
 
-__all__ = ["ReLU"]
+__all__ = ["Clip", "LeakyReLU", "PiecewiseLinear", "ReLU"]
 
 
-class ReLU(BoundOp):
+class PiecewiseLinear(Activation):
+    """A continuous function with slope ``piece_slopes[i]`` between ``kinks[i-1]`` and ``kinks[i]``, and
+    ``value(kinks[0]) = kink_values[0]``.
+
+    Example (a subclass)::
+
+        LeakyReLU(0.1).relax(Interval(l, u))
+    """
+
+    exact_when_split = True
+    kinks: tuple[float, ...] = ()
+    piece_slopes: tuple[float, ...] = ()
+
+    def value(self, x: Tensor) -> Tensor:
+        """``f(x)`` in float64, from the slopes and the value at the first kink (:meth:`kink_value`)."""
+        y = torch.full_like(x, self.kink_value()) + self.piece_slopes[0] * (x - self.kinks[0]).clamp(max=0)
+        for i, kink in enumerate(self.kinks):
+            end = self.kinks[i + 1] if i + 1 < len(self.kinks) else math.inf
+            y = y + self.piece_slopes[i + 1] * (x.clamp(max=end) - kink).clamp(min=0)
+        return y
+
+    def kink_value(self) -> float:
+        return 0.0
+
+    def offset(self, slope, lower, upper, maximum):
+        points = [lower, upper] + [torch.full_like(lower, k).clamp(lower, upper) for k in self.kinks]
+        values = torch.stack(torch.broadcast_tensors(*(self.value(p) - slope * p for p in points)))
+        return values.amax(0) if maximum else values.amin(0)
+
+    def _pieces_met(self, lower: Tensor, upper: Tensor) -> list[Tensor]:
+        edges = (-math.inf, *self.kinks, math.inf)
+        met = []
+        for start, end in itertools.pairwise(edges):
+            point = (lower == upper) & (lower >= start) & (lower <= end)  # a point interval meets its own piece
+            met.append((lower < end) & (upper > start) | point)
+        return met
+
+    def slope_range(self, lower, upper):
+        met = self._pieces_met(lower, upper)
+        low = torch.full_like(lower, math.inf)
+        high = torch.full_like(lower, -math.inf)
+        for slope, present in zip(self.piece_slopes, met, strict=True):
+            low = torch.where(present, torch.clamp(low, max=slope), low)
+            high = torch.where(present, torch.clamp(high, min=slope), high)
+        return low, high
+
+    def candidate_slopes(self, lower, upper):
+        width = upper - lower
+        secant = (self.value(upper) - self.value(lower)) / torch.where(width > 0, width, 1)
+        return [torch.full_like(lower, s) for s in self.piece_slopes] + [secant]
+
+    def _kink_inside(self, pre: Interval) -> list[Tensor]:
+        return [(pre.lower < k) & (pre.upper > k) for k in self.kinks]
+
+    def refine_mask(self, inputs, index):
+        inside = self._kink_inside(inputs[index])
+        return torch.stack(inside).any(0)
+
+    split_mask = refine_mask
+
+    def split_point(self, inputs, index):
+        """The kink inside the interval nearest its midpoint: both halves lose it."""
+        pre = inputs[index]
+        middle = (pre.lower + pre.upper) / 2
+        point, distance = middle.clone(), torch.full_like(middle, math.inf)
+        for k, inside in zip(self.kinks, self._kink_inside(pre), strict=True):
+            closer = inside & ((middle - k).abs() < distance)
+            point = torch.where(closer, k, point)
+            distance = torch.where(closer, (middle - k).abs(), distance)
+        return point
+
+
+class ReLU(PiecewiseLinear):
     """``y = max(x, 0)``.
 
     For a neuron with pre-activation bounds ``l < 0 < u`` (unstable) the relaxation is the chord
     ``y ≤ λ(x − l)`` with ``λ = u/(u−l)`` above, and ``y ≥ α·x`` below for any ``α ∈ [0, 1]``. CROWN takes the
-    adaptive slope (``α = 1`` when ``u > −l``, else 0); α-CROWN optimises α per neuron and per bounded row.
-    Stable neurons are exact lines (slope 1 or 0). A lower bound takes the lower line where its coefficient is
-    positive and the upper line where it is negative.
+    adaptive slope (``α = 1`` when ``u > −l``, else 0: the better line at the interval's midpoint); α-CROWN optimises
+    α per neuron and per bounded row. Stable neurons are exact lines (slope 1 or 0). A lower bound takes the lower
+    line where its coefficient is positive and the upper line where it is negative. The chord's intercept is the
+    exact one for the rounded slope, ``max(−λl, u − λu)`` (products of two float32 numbers are exact in float64),
+    rounded up: the line is above the ReLU on all of ``[l, u]`` in exact arithmetic, not only up to rounding.
 
     Example::
 
@@ -26,8 +113,9 @@ class ReLU(BoundOp):
     """
 
     onnx_types = ("Relu",)
-    accepts_patches = True  # backward only clamps, multiplies by [B, *shape] slopes, adds and contracts
-    needs_input_bounds = True
+    kinks = (0.0,)
+    piece_slopes = (0.0, 1.0)
+    alpha_per_neuron = 1
 
     def forward(self, x: Tensor) -> Tensor:
         return x.clamp(min=0)
@@ -50,17 +138,102 @@ class ReLU(BoundOp):
         l, u = pre.lower, pre.upper
         unstable = ReLU.unstable(pre)
         slope = torch.where(unstable, u / torch.where(unstable, u - l, 1.0), (l >= 0).to(l.dtype))
-        return slope, torch.where(unstable, -slope * l, 0.0)
+        if l.dtype == torch.float64:
+            intercept = torch.maximum(-slope * l, u - slope * u)
+        else:
+            s64, u64 = slope.double(), u.double()
+            intercept = round_up(torch.maximum(-s64 * l.double(), u64 - s64 * u64), l.dtype)
+        return slope, torch.where(unstable, intercept, 0.0)
 
     def lower_slope(self, pre: Interval, alpha: Tensor | None) -> Tensor:
         """``[B, *shape]`` or ``[S, B, *shape]``: α (or the adaptive slope) on unstable neurons, exact elsewhere."""
         exact = (pre.lower >= 0).to(pre.lower.dtype)
-        chosen = self.adaptive_slope(pre) if alpha is None else alpha
+        chosen = self.adaptive_slope(pre) if alpha is None else alpha.clamp(0, 1)
         return torch.where(self.unstable(pre), chosen, exact)
 
-    def backward(self, A, inputs, alpha=None):
-        (pre,) = inputs
+    def relax(self, pre: Interval, alpha: Tensor | None = None) -> Lines:
         upper_slope, upper_intercept = self.upper_line(pre)
-        A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
-        A_pre = A_pos * self.lower_slope(pre, alpha) + A_neg * upper_slope
-        return [A_pre], contract(A_neg, upper_intercept)
+        return Lines(self.lower_slope(pre, alpha), None, upper_slope, upper_intercept)
+
+    def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor:
+        return self.adaptive_slope(inputs[0])
+
+    def refine_mask(self, inputs, index):
+        return self.unstable(inputs[index])
+
+    split_mask = refine_mask
+
+    def split_point(self, inputs, index):
+        return torch.zeros_like(inputs[index].lower)
+
+    def branch_gain(self, A_out, inputs, index, bias):
+        """BaBSR's score: the bound's share of the pre-activation's constant through the chord (``A·b·λ`` against
+        ``A·b·(λ−1)``) plus the chord's intercept ``min(A, 0)·(−λl)``."""
+        pre = inputs[index]
+        slope, intercept = self.upper_line(pre)
+        bias = torch.zeros_like(pre.lower) if bias is None else bias
+        through_bias = torch.maximum(A_out * bias * (slope - 1), A_out * bias * slope)
+        return through_bias + A_out.clamp(max=0) * intercept
+
+
+class LeakyReLU(PiecewiseLinear):
+    """``y = x`` for ``x ≥ 0``, ``s·x`` below (ONNX LeakyRelu; ``s = −1`` is ONNX Abs).
+
+    Example::
+
+        LeakyReLU(0.01).forward(torch.tensor([-1.0, 2.0]))   # tensor([-0.0100, 2.0000])
+    """
+
+    onnx_types = ("LeakyRelu", "Abs")
+    kinks = (0.0,)
+
+    def __init__(self, negative_slope: float) -> None:
+        self.negative_slope = float(negative_slope)
+        self.piece_slopes = (self.negative_slope, 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.where(x >= 0, x, x * self.negative_slope)
+
+    def ibp(self, x: Interval) -> Interval:
+        if self.negative_slope >= 0:  # monotone
+            return Interval(self.forward(x.lower), self.forward(x.upper))
+        return super().ibp(x)
+
+    def __repr__(self) -> str:
+        return "Abs" if self.negative_slope == -1 else f"LeakyReLU({self.negative_slope:g})"
+
+
+class Clip(PiecewiseLinear):
+    """``y = min(max(x, low), high)`` (ONNX Clip; either bound may be absent, i.e. infinite).
+
+    Example::
+
+        Clip(0.0, 6.0)   # ReLU6
+    """
+
+    onnx_types = ("Clip",)
+
+    def __init__(self, low: float = -math.inf, high: float = math.inf) -> None:
+        if not low <= high:
+            raise ValueError(f"Clip needs min ≤ max, got {low} and {high}")
+        if not (math.isfinite(low) or math.isfinite(high)):
+            raise ValueError("Clip without a finite min or max is the identity")
+        self.low, self.high = float(low), float(high)
+        self.kinks = tuple(k for k in (self.low, self.high) if math.isfinite(k))
+        flat = (0.0,)
+        self.piece_slopes = (*(flat if math.isfinite(low) else ()), 1.0, *(flat if math.isfinite(high) else ()))
+
+    def kink_value(self) -> float:
+        return self.kinks[0] if self.kinks else 0.0
+
+    def value(self, x):
+        return x.clamp(self.low if math.isfinite(self.low) else None, self.high if math.isfinite(self.high) else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.value(x)
+
+    def ibp(self, x: Interval) -> Interval:
+        return Interval(self.value(x.lower), self.value(x.upper))
+
+    def __repr__(self) -> str:
+        return f"Clip({self.low:g}, {self.high:g})"

@@ -1,0 +1,244 @@
+"""Element-wise non-linear operators, each relaxed by a lower and an upper line over its input interval.
+
+An operator ``y = f(x)`` is bounded per neuron, over the interval ``[l, u]`` of its input, by
+``a_L·x + b_L ≤ f(x) ≤ a_U·x + b_U``. The slopes are a choice — a heuristic, or α-CROWN's optimised parameters —
+but the intercepts are not: for a slope ``a`` the highest line still below ``f`` has
+``b_L = min_{x∈[l,u]} f(x) − a·x`` (the lowest above it, the ``max``), and each family of functions knows where
+that extreme can lie (the endpoints, its kinks, its inflection points, the points where ``f' = a``). So every slope
+gives a valid line, and every α is valid as it is: α ∈ [0, 1] only says where in the range of ``f'`` over ``[l, u]``
+the slope lies. The lines are computed in float64 for the slope *as rounded to the graph's dtype*, the intercept is
+moved outwards past float64's own rounding and then rounded outwards to the dtype, so a float32 line is below
+(above) ``f`` everywhere on the interval, not just up to rounding.
+
+Subclasses provide :meth:`Activation.offset` (that extreme), :meth:`Activation.slope_range` and a few candidate
+slopes; ReLU, whose lines are cheap and hot, builds them directly (:mod:`.relu`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.floats import HUGE, round_down, round_up
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract
+
+__all__ = ["Activation", "Lines", "float64_interval"]
+
+#: Relative slack added to every float64 extreme before it is rounded to the working dtype: float64's own rounding
+#: in evaluating ``f`` and the products (a few ulps of float64), far below one ulp of float32.
+_FLOAT64_SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class Lines:
+    """``lower_slope·x + lower_bias ≤ f(x) ≤ upper_slope·x + upper_bias`` for every ``x`` of the interval the lines
+    were built on. Each tensor is ``[B, *shape]``, or ``[S, B, *shape]`` where the slopes differ per bounded row
+    (α-CROWN); a bias of ``None`` is zero.
+
+    Example::
+
+        lines = Sigmoid().relax(Interval(l, u))
+        below = lines.lower_slope * x + lines.lower_bias
+    """
+
+    lower_slope: Tensor
+    lower_bias: Tensor | None
+    upper_slope: Tensor
+    upper_bias: Tensor | None
+
+    def gap(self, pre: Interval) -> Tensor:
+        """The largest vertical distance between the two lines over the interval: how loose the relaxation is."""
+        lower_bias = 0 if self.lower_bias is None else self.lower_bias
+        upper_bias = 0 if self.upper_bias is None else self.upper_bias
+        slope, bias = self.upper_slope - self.lower_slope, upper_bias - lower_bias
+        return torch.maximum(slope * pre.lower + bias, slope * pre.upper + bias)
+
+
+def float64_interval(pre: Interval) -> tuple[Tensor, Tensor]:
+    """``(l, u)`` in float64, clamped to ``±HUGE`` (an infinite bound is an unbounded one) and with ``u ≥ l`` (an
+    empty interval — contradicting split assumptions — is a point: any line is valid over nothing)."""
+    lower = pre.lower.double().clamp(-HUGE, HUGE)
+    upper = torch.maximum(pre.upper.double().clamp(-HUGE, HUGE), lower)
+    return lower, upper
+
+
+class Activation(BoundOp):
+    """``y = f(x)`` element-wise, relaxed by two lines over the input interval (see the module docs).
+
+    Subclasses implement :meth:`forward`, :meth:`offset`, :meth:`slope_range` and :meth:`candidate_slopes`; the
+    rest — IBP, the CROWN backward step, α, what branch-and-bound may split and where — follows from them.
+
+    Example (a subclass)::
+
+        sigmoid = Sigmoid()
+        lines = sigmoid.relax(Interval(l, u))                 # CROWN's choice of slopes
+        lines = sigmoid.relax(Interval(l, u), alpha)          # α [S, B, 2, *shape]: per-row slopes
+        (A_pre,), bias = sigmoid.backward(A, [Interval(l, u)])
+    """
+
+    needs_input_bounds = True
+    accepts_patches = True  # without α the lines are [B, *shape]: only clamps, products, sums and contractions
+    relaxed_inputs = (0,)
+    split_inputs = (0,)
+    #: α parameters per neuron: 2 (the lower and the upper slope), 1 (the lower slope: the upper line is fixed) or 0.
+    alpha_per_neuron: int = 2
+    #: Whether the relaxation is exact once no split is left to make (continuous piecewise-linear functions split
+    #: at their kinks): a domain with nothing left to split is then a linear program branch-and-bound can settle.
+    exact_when_split: bool = False
+    #: Branch-and-bound stops splitting a neuron whose interval is narrower than this (GenBaB's ``split_min_gap``).
+    split_min_width: float = 1e-3
+
+    @abstractmethod
+    def offset(self, slope: Tensor, lower: Tensor, upper: Tensor, maximum: bool) -> Tensor:
+        """``min`` (or, with ``maximum``, ``max``) over ``x ∈ [lower, upper]`` of ``f(x) − slope·x``, in float64,
+        never above the true minimum (below the true maximum) by more than float64 rounding; all arguments
+        float64 and broadcastable, ``lower ≤ upper``."""
+
+    @abstractmethod
+    def slope_range(self, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor]:
+        """The range ``[min f', max f']`` over the interval (float64, finite): where α places the slopes (every
+        tight line has its slope in it)."""
+
+    @abstractmethod
+    def candidate_slopes(self, lower: Tensor, upper: Tensor) -> list[Tensor]:
+        """Slopes to choose CROWN's lines among (float64, inside :meth:`slope_range`): the one whose line is
+        tightest at the interval's midpoint is taken, on each side."""
+
+    def alpha_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of this op's α per (row, batch element): ``None`` where it has none."""
+        return {0: None, 1: tuple(shape), 2: (2, *shape)}[self.alpha_per_neuron]
+
+    # -- lines -------------------------------------------------------------------------------------------------
+
+    def relax(self, pre: Interval, alpha: Tensor | None = None) -> Lines:
+        """The two lines over ``pre``: CROWN's choice of slopes, or those α ``[S, B, 2, *shape]`` (any values;
+        clamped to [0, 1]) places in :meth:`slope_range`."""
+        lower, upper = float64_interval(pre)
+        low, high = self.slope_range(lower, upper)
+        lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high)
+        if alpha is not None:
+            alpha = alpha.double().clamp(0, 1)
+            if self.alpha_per_neuron == 1:
+                lower_slope = low + alpha * (high - low)
+            else:
+                lower_slope = low + alpha[:, :, 0] * (high - low)
+                upper_slope = low + alpha[:, :, 1] * (high - low)
+        return self.lines(lower_slope, upper_slope, lower, upper, pre.lower.dtype)
+
+    def lines(
+        self, lower_slope: Tensor, upper_slope: Tensor, lower: Tensor, upper: Tensor, dtype: torch.dtype
+    ) -> Lines:
+        """Lines of the given float64 slopes over ``[lower, upper]`` (float64), in ``dtype``: each slope rounded
+        once, the intercepts computed for the rounded slopes and rounded outwards."""
+        lower_slope, upper_slope = lower_slope.to(dtype), upper_slope.to(dtype)
+        reach = torch.maximum(lower.abs(), upper.abs())
+        below = self.offset(lower_slope.double(), lower, upper, maximum=False)
+        above = self.offset(upper_slope.double(), lower, upper, maximum=True)
+        below = below - _FLOAT64_SLACK * (1 + below.abs() + lower_slope.double().abs() * reach)
+        above = above + _FLOAT64_SLACK * (1 + above.abs() + upper_slope.double().abs() * reach)
+        return Lines(
+            lower_slope,
+            round_down(below.clamp(-HUGE, HUGE), dtype),
+            upper_slope,
+            round_up(above.clamp(-HUGE, HUGE), dtype),
+        )
+
+    def _chosen_slopes(self, lower: Tensor, upper: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        """Per neuron, the candidate slope whose lower (upper) line is highest (lowest) at the midpoint."""
+        slopes = torch.stack([s.clamp(low, high) for s in self.candidate_slopes(lower, upper)])
+        middle = (lower + upper) / 2
+        below = slopes * middle + self.offset(slopes, lower, upper, maximum=False)
+        above = slopes * middle + self.offset(slopes, lower, upper, maximum=True)
+        lower_slope = slopes.gather(0, below.argmax(0, keepdim=True))[0]
+        upper_slope = slopes.gather(0, above.argmin(0, keepdim=True))[0]
+        return lower_slope, upper_slope
+
+    # -- the BoundOp contract ----------------------------------------------------------------------------------
+
+    def ibp(self, x: Interval) -> Interval:
+        lower, upper = float64_interval(x)
+        zero = torch.zeros_like(lower)
+        low = self.offset(zero, lower, upper, maximum=False)
+        high = self.offset(zero, lower, upper, maximum=True)
+        low = low - _FLOAT64_SLACK * (1 + low.abs())
+        high = high + _FLOAT64_SLACK * (1 + high.abs())
+        dtype = x.lower.dtype
+        return Interval(round_down(low.clamp(-HUGE, HUGE), dtype), round_up(high.clamp(-HUGE, HUGE), dtype))
+
+    def backward(self, A, inputs, alpha=None):
+        (pre,) = inputs
+        lines = self.relax(pre, alpha)
+        A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
+        A_pre = A_pos * lines.lower_slope + A_neg * lines.upper_slope
+        bias = None
+        if lines.lower_bias is not None:
+            bias = contract(A_pos, lines.lower_bias)
+        if lines.upper_bias is not None:
+            term = contract(A_neg, lines.upper_bias)
+            bias = term if bias is None else bias + term
+        return [A_pre], bias
+
+    # -- α, refinement and branching ---------------------------------------------------------------------------
+
+    def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor | None:
+        """α ``[B, *alpha_shape]`` that reproduces CROWN's lines on these input intervals (``None``: no α)."""
+        if not self.alpha_per_neuron:
+            return None
+        (pre,) = inputs
+        lower, upper = float64_interval(pre)
+        low, high = self.slope_range(lower, upper)
+        chosen = self._chosen_slopes(lower, upper, low, high)
+        width = high - low
+        params = [torch.where(width > 0, (s - low) / torch.where(width > 0, width, 1), 0.5) for s in chosen]
+        if self.alpha_per_neuron == 1:
+            return params[0].to(pre.lower.dtype)
+        return torch.stack(params, 1).to(pre.lower.dtype)
+
+    def refine_mask(self, inputs: Sequence[Interval | None], index: int) -> Tensor:
+        """``[B, *shape]``: the neurons of input ``index`` whose tighter bounds would tighten this relaxation (the
+        others are exact already)."""
+        pre = inputs[index]
+        return pre.upper > pre.lower
+
+    def split_mask(self, inputs: Sequence[Interval], index: int) -> Tensor:
+        """``[B, *shape]``: the neurons of input ``index`` branch-and-bound may split."""
+        pre = inputs[index]
+        return (pre.upper - pre.lower) > self.split_min_width * (1 + pre.lower.abs() + pre.upper.abs())
+
+    def split_point(self, inputs: Sequence[Interval], index: int) -> Tensor:
+        """``[B, *shape]``: where to split each neuron of input ``index``: of a few points inside the interval, the
+        one that leaves the two halves with the smallest relaxation gaps (GenBaB's optimised branching points,
+        computed for the interval at hand instead of looked up in a table)."""
+        pre = inputs[index]
+        lower, upper = float64_interval(pre)
+        fractions = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device=lower.device)
+        points = lower + fractions.view(-1, *([1] * lower.dim())) * (upper - lower)
+        left = self._gap_area(lower.expand_as(points), points)
+        right = self._gap_area(points, upper.expand_as(points))
+        best = (left + right).argmin(0, keepdim=True)
+        return points.gather(0, best)[0].to(pre.lower.dtype)
+
+    def _gap_area(self, lower: Tensor, upper: Tensor) -> Tensor:
+        """``∫ (U − L)`` over ``[lower, upper]`` for CROWN's lines there (float64): the looseness a child keeps."""
+        low, high = self.slope_range(lower, upper)
+        lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high)
+        middle = (lower + upper) / 2
+        below = lower_slope * middle + self.offset(lower_slope, lower, upper, maximum=False)
+        above = upper_slope * middle + self.offset(upper_slope, lower, upper, maximum=True)
+        return (above - below) * (upper - lower)
+
+    def branch_gain(self, A_out: Tensor, inputs: Sequence[Interval], index: int, bias: Tensor | None) -> Tensor:
+        """``[S, N, *shape]``: the estimated rise of each bounded row's lower bound from splitting each neuron of
+        input ``index`` at :meth:`split_point`: the row's weight on the neuron's output times the relaxation gap
+        the split removes (the gap of the wider half is what is left). ``bias`` (the constant of the layer that
+        computed the input) is for the ReLU score, which uses it."""
+        pre = inputs[index]
+        point = self.split_point(inputs, index)
+        before = self.relax(pre).gap(pre)
+        halves = [Interval(pre.lower, point), Interval(point, pre.upper)]
+        after = torch.maximum(*(self.relax(half).gap(half) for half in halves))
+        return A_out.abs() * (before - after).clamp(min=0)

@@ -1,0 +1,116 @@
+"""Discontinuous element-wise functions: Sign and Floor, constant between their jumps.
+
+The extreme of ``f(x) − a·x`` over ``[l, u]`` is then at an endpoint or at one side of a jump (a limit: the line
+must stay below the infimum, which need not be attained), so these too have an exact intercept for every slope. A
+jump point belongs to one side only, so splitting there never makes both halves constant: branch-and-bound can
+narrow these neurons but not settle them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_fedshard.verify.floats import HUGE
+from lightning_fedshard.verify.ops.activation import Activation
+
+__all__ = ["Floor", "Sign"]
+
+
+def _extreme(values: list[Tensor], maximum: bool) -> Tensor:
+    stacked = torch.stack(torch.broadcast_tensors(*values))
+    return stacked.amax(0) if maximum else stacked.amin(0)
+
+
+class Sign(Activation):
+    """``sign(x)``: −1, 0 at 0, +1 (ONNX Sign). Across 0 the tight lines pass through the jump's corners:
+    ``−1 + a·x`` below with ``a ∈ [0, 2/u]``, ``1 + a·x`` above with ``a ∈ [0, 2/|l|]``.
+
+    Example::
+
+        Sign().relax(Interval(torch.tensor([[-1.0]]), torch.tensor([[2.0]])))
+    """
+
+    onnx_types = ("Sign",)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sign(x)
+
+    def offset(self, slope, lower, upper, maximum):
+        values = [torch.sign(lower) - slope * lower, torch.sign(upper) - slope * upper]
+        neither = torch.full_like(lower, HUGE if not maximum else -HUGE)  # a value that never wins
+        zero_inside = (lower <= 0) & (upper >= 0)
+        values.append(torch.where((lower < 0) & (upper >= 0), -1.0, neither))  # the limit from the left of 0
+        values.append(torch.where(zero_inside, 0.0, neither))  # at 0
+        values.append(torch.where((lower <= 0) & (upper > 0), 1.0, neither))  # the limit from the right
+        return _extreme(values, maximum)
+
+    def slope_range(self, lower, upper):
+        jump = (lower <= 0) & (upper >= 0) & (upper > lower)
+        reach = torch.minimum(-lower, upper)
+        reach = torch.where(reach > 0, reach, torch.maximum(-lower, upper))
+        high = (2 / reach.clamp(min=1e-12)).clamp(max=1e12)
+        return torch.zeros_like(lower), torch.where(jump, high, 0)
+
+    def candidate_slopes(self, lower, upper):
+        return [
+            torch.zeros_like(lower),
+            2 / upper.clamp(min=1e-12),
+            2 / (-lower).clamp(min=1e-12),
+            1 / upper.clamp(min=1e-12),
+            1 / (-lower).clamp(min=1e-12),
+        ]
+
+    def refine_mask(self, inputs, index):
+        pre = inputs[index]
+        return (pre.lower <= 0) & (pre.upper >= 0) & (pre.upper > pre.lower)
+
+    split_mask = refine_mask
+
+    def split_point(self, inputs, index):
+        return torch.zeros_like(inputs[index].lower)
+
+
+class Floor(Activation):
+    """``⌊x⌋`` (ONNX Floor): exact on an interval without an integer past its start; otherwise between the lines
+    ``x − 1 < ⌊x⌋ ≤ x`` and the constants ``⌊l⌋``, ``⌊u⌋`` (slopes in [0, 1], intercepts exact).
+
+    Example::
+
+        Floor().ibp(Interval(torch.tensor([[0.2]]), torch.tensor([[1.5]])))   # [0, 1]
+    """
+
+    onnx_types = ("Floor",)
+    alpha_per_neuron = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.floor(x)
+
+    def offset(self, slope, lower, upper, maximum):
+        # On the piece [k, k + 1) the function is k − a·x, extreme at its two ends; over the pieces between the
+        # first and the last those ends are linear in k, so only the first two pieces and the last two matter.
+        first, last = torch.floor(lower), torch.floor(upper)
+        values = []
+        for k in (first, (first + 1).clamp(max=last), (last - 1).clamp(min=first), last):
+            start, end = torch.maximum(k, lower), torch.minimum(k + 1, upper)
+            values += [k - slope * start, k - slope * end]
+        return _extreme(values, maximum)
+
+    def slope_range(self, lower, upper):
+        crosses = torch.floor(lower) < torch.floor(upper)
+        return torch.zeros_like(lower), crosses.to(lower.dtype)
+
+    def candidate_slopes(self, lower, upper):
+        return [torch.zeros_like(lower), torch.ones_like(lower)]
+
+    def refine_mask(self, inputs, index):
+        pre = inputs[index]
+        return torch.floor(pre.lower) < torch.floor(pre.upper)
+
+    split_mask = refine_mask
+
+    def split_point(self, inputs, index):
+        """The integer inside the interval nearest its midpoint."""
+        pre = inputs[index]
+        middle = (pre.lower + pre.upper) / 2
+        return torch.round(middle).clamp(torch.floor(pre.lower) + 1, torch.floor(pre.upper))
