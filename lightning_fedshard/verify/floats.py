@@ -7,8 +7,8 @@ from torch import Tensor
 
 __all__ = ["HUGE", "round_down", "round_outwards", "round_up"]
 
-#: Magnitudes past this are "unbounded": an intercept or a bound that would overflow the working dtype is clamped
-#: here, so that a zero coefficient times it is zero (not NaN) and a non-zero one still gives a useless bound.
+#: An interval reaching past this magnitude (or infinite) is unbounded to a relaxation: its lines are the
+#: constants ±inf, whatever the function (a float32 network's values there are beyond its precision anyway).
 HUGE = 1e30
 
 
@@ -20,7 +20,7 @@ def round_down(value: Tensor, dtype: torch.dtype) -> Tensor:
     below = torch.where(
         exact.double() > value.detach(), torch.nextafter(exact, torch.full_like(exact, -torch.inf)), exact
     )
-    return cast + (below - exact)
+    return cast + torch.where(torch.isfinite(exact), below - exact, 0)
 
 
 def round_up(value: Tensor, dtype: torch.dtype) -> Tensor:
@@ -30,7 +30,7 @@ def round_up(value: Tensor, dtype: torch.dtype) -> Tensor:
     above = torch.where(
         exact.double() < value.detach(), torch.nextafter(exact, torch.full_like(exact, torch.inf)), exact
     )
-    return cast + (above - exact)
+    return cast + torch.where(torch.isfinite(exact), above - exact, 0)
 
 
 def round_outwards(lower: Tensor, upper: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

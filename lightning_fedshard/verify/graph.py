@@ -8,7 +8,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.ops import BoundOp, ElementwiseAffine, Interval, LinearOp, ReLU, Reshape
+from lightning_fedshard.verify.ops import (
+    BoundOp,
+    ElementwiseAffine,
+    Interval,
+    LinearOp,
+    ReLU,
+    Reshape,
+    Select,
+    Transpose,
+)
+
+#: Ops each of whose outputs is an affine function of one input element: the interval of the output follows exactly
+#: from the input's.
+_PER_ELEMENT = (ElementwiseAffine, Reshape, Select, Transpose)
 
 __all__ = ["BoundGraph", "Node"]
 
@@ -75,6 +88,16 @@ class BoundGraph:
         #: Those nodes in topological order: the intervals CROWN tightens and branch-and-bound keeps per domain.
         self.bounded = [node.name for node in self.nodes if node.name in self.relaxations]
         self.split_nodes = [name for name in self.bounded if name in self.splitter]
+        #: The nodes CROWN refines, each with whether all its neurons are needed: a bounded node itself, or — where it
+        #: is a larger copy of an earlier node through per-element ops (``x[:, None] − thresholds`` of a ReLU lookup
+        #: table) — that node, whose refined interval then gives the copy's exactly by interval propagation.
+        self.crown_targets: dict[str, bool] = {}
+        for name in self.bounded:
+            source = self._per_element_source(name)
+            if source != name and self.by_name[source].size < self.by_name[name].size:
+                self.crown_targets[source] = True
+            else:
+                self.crown_targets.setdefault(name, False)
         #: Whether every relaxation is exact once its neurons are split at their kinks (a ReLU-like graph): a domain
         #: with nothing left to split is then linear.
         self.exact_when_split = all(getattr(node.op, "exact_when_split", False) for node in self.nonlinear)
@@ -83,6 +106,12 @@ class BoundGraph:
         self.pre_activation = {relu.name: relu.inputs[0] for relu in self.relus}
         self._ancestors: dict[str, list[Node]] = {}
         self._ibp_exact: dict[str, bool] = {}
+
+    def _per_element_source(self, name: str) -> str:
+        node = self.by_name[name]
+        while node.op is not None and isinstance(node.op, _PER_ELEMENT):
+            node = self.by_name[node.inputs[0]]
+        return node.name
 
     def consumer_inputs(self, consumer: Node, bounds: Mapping[str, Interval]) -> list[Interval | None]:
         """The intervals of ``consumer``'s inputs that ``bounds`` holds (``None`` for the others)."""

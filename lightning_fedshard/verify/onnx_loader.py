@@ -1,10 +1,11 @@
 """Load an ONNX network into a :class:`BoundGraph`, written directly on ``onnx`` (no onnx2torch).
 
-Supported: Gemm, MatMul (constant right operand), Add/Sub/Mul/Div (with a constant, or Add/Sub of two computed
-tensors), Relu, Flatten, Reshape, Conv (2-D), BatchNormalization (inference), AveragePool, GlobalAveragePool,
-Identity and Shape. Any node whose inputs are all constants (Constant, and the Shape→Gather→Unsqueeze→Concat
-chains exporters emit for ``x.view(x.size(0), -1)``) is folded with ONNX's reference evaluator instead of becoming
-a graph node. The leading ONNX dimension (1, or symbolic) becomes the batch dimension ``B`` of the graph.
+Every node whose inputs are all constants (Constant, and the Shape→Gather→Unsqueeze→Concat chains exporters emit
+for ``x.view(x.size(0), -1)``, constant masks) is folded with ONNX's reference evaluator; every other node becomes
+one or a few graph nodes (:mod:`~lightning_fedshard.verify.onnx_converters` lists the operators). The leading ONNX
+dimension (1, or symbolic) of every tensor becomes the batch dimension ``B`` of the graph — unless the network
+moves or mixes it (a Transpose of ``[1, n]``, an input without one): then the graph is loaded again *without* a
+batch dimension, node shapes are the full ONNX shapes and the graph's own batch dimension is added in front.
 
 Example::
 
@@ -15,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import gzip
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +26,7 @@ from onnx.reference import ReferenceEvaluator
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph, Node
-from lightning_fedshard.verify.ops import (
-    Add,
-    AvgPool2d,
-    BatchNorm,
-    BoundOp,
-    Conv2d,
-    ElementwiseAffine,
-    LeftLinear,
-    Linear,
-    ReLU,
-    Reshape,
-)
+from lightning_fedshard.verify.ops import BoundOp, ElementwiseAffine, Linear, Reshape
 
 __all__ = ["OnnxLoadError", "UnsupportedModelError", "load_onnx", "onnx_source"]
 
@@ -59,14 +48,22 @@ class UnsupportedModelError(OnnxLoadError):
     signature): the instance is answered ``unknown`` with this reason, not failed."""
 
 
-class _Context:
-    """The graph built so far: computed tensors (graph nodes) and constants (numpy), keyed by ONNX tensor name."""
+class NeedsUnbatched(Exception):
+    """A node moves or mixes the leading dimension: the graph must be loaded without a batch dimension."""
 
-    def __init__(self, dtype: torch.dtype, opset: int) -> None:
-        self.dtype, self.opset = dtype, opset
+
+class LoadContext:
+    """The graph built so far: computed tensors (graph nodes) and constants (numpy), keyed by ONNX tensor name,
+    and how ONNX shapes and axes map onto node shapes (``batched``: the leading ONNX dimension is the batch)."""
+
+    def __init__(self, dtype: torch.dtype, opset: int, batched: bool) -> None:
+        self.dtype, self.opset, self.batched = dtype, opset, batched
         self.constants: dict[str, np.ndarray] = {}
         self.variables: dict[str, Node] = {}  # Identity makes several tensor names point at one node
         self.nodes: list[Node] = []
+        self._names: set[str] = set()
+
+    # -- tensors -----------------------------------------------------------------------------------------------
 
     def is_constant(self, name: str) -> bool:
         return name in self.constants
@@ -85,225 +82,120 @@ class _Context:
         """A float constant as a float64 tensor: ops are built in float64 and cast once, so derived constants
         (1/c, alpha·B, folded batch norm) are rounded only once."""
         value = self.constant(name, role)
-        if value.dtype not in (np.float32, np.float64):
+        if value.dtype not in (np.float32, np.float64, np.float16):
             raise OnnxLoadError(f"the {role} {name!r} has type {value.dtype}; only float32/float64 are supported")
         return torch.from_numpy(np.array(value, dtype=np.float64))
 
-    def emit(self, onnx_node: onnx.NodeProto, op: BoundOp, *inputs: str) -> None:
-        """Add ``op`` as a graph node, its shape found by running it on zeros.
+    def scalar(self, name: str, role: str) -> float:
+        value = self.constant(name, role)
+        if value.size != 1:
+            raise UnsupportedModelError(f"the {role} {name!r} must be a single number, got shape {list(value.shape)}")
+        return float(value.reshape(()))
+
+    def ints(self, name: str, role: str) -> list[int]:
+        return [int(v) for v in np.asarray(self.constant(name, role)).reshape(-1)]
+
+    # -- shapes ------------------------------------------------------------------------------------------------
+
+    def onnx_shape(self, name: str) -> tuple[int, ...]:
+        """The ONNX shape of a computed tensor."""
+        shape = self.variable(name).shape
+        return (1, *shape) if self.batched else shape
+
+    def node_shape(self, onnx_shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The node shape of a tensor of ``onnx_shape``; batched, its leading dimension must be the batch of 1."""
+        onnx_shape = tuple(int(d) for d in onnx_shape)
+        if not self.batched:
+            return onnx_shape
+        if not onnx_shape or onnx_shape[0] != 1:
+            raise NeedsUnbatched
+        return onnx_shape[1:]
+
+    def axis(self, axis: int, rank: int) -> int:
+        """The node-shape axis of ONNX ``axis`` of a tensor of ONNX ``rank`` (batched: never the batch's)."""
+        if not -rank <= axis < rank:
+            raise OnnxLoadError(f"axis {axis} is outside a tensor of rank {rank}")
+        axis %= rank
+        if self.batched:
+            if axis == 0:
+                raise NeedsUnbatched
+            return axis - 1
+        return axis
+
+    def broadcast_constant(self, value: Tensor, rank: int) -> Tensor:
+        """A constant of ONNX rank ≤ ``rank`` as a tensor that broadcasts against node tensors ``[B, *shape]``."""
+        value = value.reshape((1,) * (rank - value.dim()) + tuple(value.shape))
+        if self.batched:
+            if value.shape[0] != 1:
+                raise NeedsUnbatched
+            value = value[0]
+        return value
+
+    # -- nodes -------------------------------------------------------------------------------------------------
+
+    def fresh(self, base: str) -> str:
+        """A node name not used yet, from ``base``."""
+        name, count = base, 0
+        while name in self._names or name in self.variables or name in self.constants:
+            count += 1
+            name = f"{base}#{count}"
+        return name
+
+    def emit(self, name: str, op: BoundOp, *inputs: str) -> str:
+        """Add ``op`` as node ``name`` reading the tensors ``inputs``, its shape found by running it on zeros; returns
+        the name.
 
         Not from ``onnx.shape_inference``: for AveragePool with ceil_mode it counts windows that start in the
         padding, which onnxruntime, ONNX's reference evaluator and torch all drop."""
-        sources = [self.variable(name) for name in inputs]
+        sources = [self.variable(source) for source in inputs]
         op.to(self.dtype)
         probe = [torch.zeros(1, *node.shape, dtype=self.dtype) for node in sources]
         shape = tuple(op.forward(*probe).shape[1:])
-        node = Node(onnx_node.output[0], op, tuple(source.name for source in sources), shape)
+        node = Node(name, op, tuple(source.name for source in sources), shape)
         self.nodes.append(node)
-        self.variables[node.name] = node
+        self.variables[name] = node
+        self._names.add(name)
+        return name
+
+    def alias(self, name: str, source: str) -> None:
+        """Tensor ``name`` is tensor ``source`` (Identity, Cast between float types, an identity Pad)."""
+        self.variables[name] = self.variable(source)
+
+    def reshape(self, source: str, shape: tuple[int, ...], name: str | None = None) -> str:
+        """Tensor ``source`` reshaped to node shape ``shape`` (no node where it already has it)."""
+        node = self.variable(source)
+        if node.shape == tuple(shape):
+            if name is not None:
+                self.alias(name, source)
+                return name
+            return source
+        return self.emit(name or self.fresh(f"{source}/reshape"), Reshape(node.shape, shape), source)
+
+    def affine(self, source: str, scale: Tensor | None, shift: Tensor | None, name: str) -> str:
+        """``source · scale + shift`` for float64 ONNX constants (either may be ``None``), broadcast as ONNX does."""
+        constants = [c for c in (scale, shift) if c is not None]
+        in_onnx = self.onnx_shape(source)
+        rank = max(len(in_onnx), *(c.dim() for c in constants))
+        in_onnx = (1,) * (rank - len(in_onnx)) + in_onnx
+        try:
+            out_onnx = np.broadcast_shapes(in_onnx, *(tuple(c.shape) for c in constants))
+        except ValueError:
+            shapes = [list(c.shape) for c in constants]
+            raise OnnxLoadError(f"constants of shapes {shapes} do not broadcast to {list(in_onnx)}") from None
+        source = self.reshape(source, self.node_shape(in_onnx))
+        scale, shift = (None if c is None else self.broadcast_constant(c, rank) for c in (scale, shift))
+        op = ElementwiseAffine(scale, shift, self.variable(source).shape, self.node_shape(out_onnx))
+        return self.emit(name, op, source)
 
 
-_Converter = Callable[[_Context, onnx.NodeProto, dict], None]
-
-
-def _gemm(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    if attrs.get("transA", 0):
-        raise OnnxLoadError("transA=1 is not supported (the batch must stay the leading dimension)")
-    if len(ctx.variable(node.input[0]).shape) != 1:
-        raise OnnxLoadError("Gemm needs a 2-D input [batch, features]")
-    b = ctx.weight(node.input[1], "Gemm operand B")
-    weight = (attrs.get("alpha", 1.0) * (b if attrs.get("transB", 0) else b.T)).contiguous()
-    bias = None
-    if len(node.input) > 2 and node.input[2] and attrs.get("beta", 1.0) != 0:
-        c = attrs.get("beta", 1.0) * ctx.weight(node.input[2], "Gemm operand C")
-        bias = c.broadcast_to(1, weight.shape[0]).reshape(-1).clone()
-    ctx.emit(node, Linear(weight, bias), node.input[0])
-
-
-def _matmul(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    left, right = node.input
-    if not ctx.is_constant(left) and not ctx.is_constant(right):
-        raise OnnxLoadError("MatMul of two computed tensors is non-linear")
-    if ctx.is_constant(left):  # W @ x: a linear map over the second-to-last dimension of x
-        weight = ctx.weight(left, "MatMul left operand")
-        if weight.dim() != 2 or len(ctx.variable(right).shape) < 2:
-            raise OnnxLoadError(
-                f"MatMul W @ x needs a 2-D W and x of rank ≥ 2 besides the batch, got W {list(weight.shape)} and "
-                f"x [1, {ctx.variable(right).shape}]"
-            )
-        ctx.emit(node, LeftLinear(weight.contiguous()), right)
-        return
-    weight = ctx.weight(right, "MatMul right operand")
-    if weight.dim() != 2:
-        raise OnnxLoadError(f"MatMul right operand must be 2-D [in, out], got {list(weight.shape)}")
-    ctx.emit(node, Linear(weight.T.contiguous()), left)
-
-
-def _arithmetic(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    op_type, (a, b) = node.op_type, node.input
-    if not ctx.is_constant(a) and not ctx.is_constant(b):
-        if op_type not in ("Add", "Sub"):
-            raise OnnxLoadError(f"{op_type} of two computed tensors is non-linear")
-        if ctx.variable(a).shape != ctx.variable(b).shape:
-            raise OnnxLoadError(f"{op_type} of shapes {ctx.variable(a).shape} and {ctx.variable(b).shape} broadcasts")
-        ctx.emit(node, Add(subtract=op_type == "Sub"), a, b)
-        return
-    constant_first = ctx.is_constant(a)
-    x, c = (b, a) if constant_first else (a, b)
-    if constant_first and op_type == "Div":
-        raise OnnxLoadError("Div of a constant by a computed tensor is non-linear")
-    in_shape, value = ctx.variable(x).shape, ctx.weight(c, f"{op_type} operand")
-    try:
-        full = np.broadcast_shapes((1, *in_shape), tuple(value.shape))
-    except ValueError:
-        raise OnnxLoadError(f"constant of shape {list(value.shape)} does not broadcast to [1, {in_shape}]") from None
-    if len(full) != len(in_shape) + 1 or full[0] != 1:
-        raise OnnxLoadError(f"constant of shape {list(value.shape)} would change the input's rank or batch")
-    if value.dim() == len(full):  # its leading 1 is the batch dimension, which the graph does not store
-        value = value[0]
-    if op_type == "Div" and bool((value == 0).any()):
-        raise OnnxLoadError("division by a constant that contains zeros")
-    scale, shift = {
-        "Add": (None, value),
-        "Sub": (torch.tensor(-1.0, dtype=torch.float64), value) if constant_first else (None, -value),
-        "Mul": (value, None),
-        "Div": (1 / value, None),
-    }[op_type]
-    ctx.emit(node, ElementwiseAffine(scale, shift, in_shape, full[1:]), x)
-
-
-def _relu(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    ctx.emit(node, ReLU(), node.input[0])
-
-
-def _flatten(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    shape = ctx.variable(node.input[0]).shape
-    axis = attrs.get("axis", 1) % (len(shape) + 1)
-    # [1, *shape] flattened at `axis` keeps the batch as its leading dimension only if what merges into it is 1.
-    if int(np.prod((1, *shape)[:axis])) != 1:
-        raise OnnxLoadError(f"Flatten with axis={attrs.get('axis')} on [1, {shape}] merges the batch dimension")
-    ctx.emit(node, Reshape(shape, (int(np.prod(shape)),)), node.input[0])
-
-
-def _reshape(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    in_shape = ctx.variable(node.input[0]).shape
-    target = [int(d) for d in ctx.constant(node.input[1], "Reshape shape")]
-    if attrs.get("allowzero", 0) and 0 in target:
-        raise OnnxLoadError("Reshape with allowzero=1 and a zero dimension")
-    full = (1, *in_shape)
-    target = [full[i] if d == 0 else d for i, d in enumerate(target)]
-    try:
-        out = np.empty(full, dtype=np.uint8).reshape(target).shape
-    except ValueError:
-        raise OnnxLoadError(f"cannot reshape [1, {in_shape}] to {target}") from None
-    if not out or out[0] != 1:
-        raise OnnxLoadError(f"Reshape to {target} does not keep the batch as the leading dimension")
-    ctx.emit(node, Reshape(in_shape, out[1:]), node.input[0])
-
-
-def _padding(attrs: dict) -> list[int]:
-    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
-        raise OnnxLoadError(f"auto_pad={attrs['auto_pad'].decode()} is not supported; use explicit pads")
-    return list(attrs.get("pads", [0, 0, 0, 0]))
-
-
-def _conv(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    in_shape = ctx.variable(node.input[0]).shape
-    weight = ctx.weight(node.input[1], "Conv weight")
-    if len(in_shape) != 3 or weight.dim() != 4:
-        raise OnnxLoadError(f"only 2-D Conv is supported, got input [1, {in_shape}] and weight {list(weight.shape)}")
-    if "kernel_shape" in attrs and list(attrs["kernel_shape"]) != list(weight.shape[2:]):
-        raise OnnxLoadError(f"kernel_shape {attrs['kernel_shape']} does not match the weight {list(weight.shape)}")
-    bias = ctx.weight(node.input[2], "Conv bias") if len(node.input) > 2 and node.input[2] else None
-    top, left, bottom, right = _padding(attrs)
-    op = Conv2d(
-        weight,
-        bias,
-        in_shape,
-        tuple(attrs.get("strides", (1, 1))),
-        (top, left, bottom, right),
-        tuple(attrs.get("dilations", (1, 1))),
-        attrs.get("group", 1),
-    )
-    ctx.emit(node, op, node.input[0])
-
-
-def _batch_norm(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    if attrs.get("training_mode", 0) or any(node.output[1:]):
-        raise OnnxLoadError("BatchNormalization in training mode; export the model in eval mode")
-    gamma, beta, mean, var = (
-        ctx.weight(name, f"BatchNormalization {role}")
-        for name, role in zip(node.input[1:], ("scale", "bias", "mean", "var"), strict=True)
-    )
-    op = BatchNorm(gamma, beta, mean, var, attrs.get("epsilon", 1e-5), ctx.variable(node.input[0]).shape)
-    ctx.emit(node, op, node.input[0])
-
-
-def _average_pool(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    in_shape = ctx.variable(node.input[0]).shape
-    kernel = tuple(attrs["kernel_shape"])
-    if len(in_shape) != 3 or len(kernel) != 2:
-        raise OnnxLoadError(f"only 2-D AveragePool is supported, got input [1, {in_shape}]")
-    if any(d != 1 for d in attrs.get("dilations", (1, 1))):
-        raise OnnxLoadError("AveragePool with dilations is not supported")
-    top, left, bottom, right = _padding(attrs)
-    if (top, left) != (bottom, right):
-        raise OnnxLoadError(f"AveragePool pads {[top, left, bottom, right]} are asymmetric")
-    op = AvgPool2d(
-        in_shape,
-        kernel,
-        tuple(attrs.get("strides", (1, 1))),
-        (top, left),
-        bool(attrs.get("count_include_pad", 0)),
-        bool(attrs.get("ceil_mode", 0)),
-    )
-    ctx.emit(node, op, node.input[0])
-
-
-def _global_average_pool(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    in_shape = ctx.variable(node.input[0]).shape
-    if len(in_shape) != 3:
-        raise OnnxLoadError(f"only 2-D GlobalAveragePool is supported, got input [1, {in_shape}]")
-    ctx.emit(node, AvgPool2d(in_shape, in_shape[1:], in_shape[1:]), node.input[0])
-
-
-def _identity(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    ctx.variables[node.output[0]] = ctx.variable(node.input[0])
-
-
-def _shape(ctx: _Context, node: onnx.NodeProto, attrs: dict) -> None:
-    # Shapes are static (the batch is 1 in ONNX terms), so Shape of a computed tensor is a constant.
-    full = np.array((1, *ctx.variable(node.input[0]).shape), dtype=np.int64)
-    ctx.constants[node.output[0]] = full[attrs.get("start", 0) : attrs.get("end", len(full))]
-
-
-_CONVERTERS: dict[str, _Converter] = {
-    "Gemm": _gemm,
-    "MatMul": _matmul,
-    "Add": _arithmetic,
-    "Sub": _arithmetic,
-    "Mul": _arithmetic,
-    "Div": _arithmetic,
-    "Relu": _relu,
-    "Flatten": _flatten,
-    "Reshape": _reshape,
-    "Conv": _conv,
-    "BatchNormalization": _batch_norm,
-    "AveragePool": _average_pool,
-    "GlobalAveragePool": _global_average_pool,
-    "Identity": _identity,
-    "Shape": _shape,
-}
-
-
-def _fold(ctx: _Context, node: onnx.NodeProto) -> None:
+def fold(ctx: LoadContext, node: onnx.NodeProto) -> None:
     """Evaluate a node whose inputs are all constants (Constant, shape arithmetic, a transposed weight)."""
     try:
         evaluator = ReferenceEvaluator(node, opsets={"": ctx.opset})
         values = evaluator.run(None, {name: ctx.constants[name] for name in node.input if name})
     except Exception as err:  # the reference evaluator raises many types for ops it cannot run
         raise OnnxLoadError(f"cannot fold constant operator {node.op_type!r}: {err}") from err
-    for name, value in zip(node.output, values):
+    for name, value in zip(node.output, values, strict=False):
         if name:
             ctx.constants[name] = np.asarray(value)
 
@@ -332,18 +224,17 @@ def _read(path: Path) -> onnx.ModelProto:
         raise OnnxLoadError(f"{path} is not an ONNX model: {err}") from err
 
 
-def _attributes(node: onnx.NodeProto) -> dict:
+def attributes(node: onnx.NodeProto) -> dict:
     return {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
 
 
-def load_onnx(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> BoundGraph:
+def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> BoundGraph:
     """Read ``path`` (``.onnx`` or gzipped ``.onnx.gz``) into a :class:`BoundGraph` with constants in ``dtype``
     on ``device`` (built and checked on the CPU, then moved once).
 
-    Node names are the ONNX tensor names; node shapes drop the leading ONNX dimension (which must be 1 or
-    symbolic). Raises :class:`OnnxLoadError` for anything that cannot be represented exactly.
+    Node names are the ONNX tensor names (extra nodes of a rewrite are named after them); node shapes drop the
+    leading ONNX dimension (1 or symbolic) — or, for a network that moves or mixes it, are the full ONNX shapes.
+    Raises :class:`OnnxLoadError` for anything that cannot be represented exactly.
 
     Example::
 
@@ -353,51 +244,77 @@ def load_onnx(
     """
     path = Path(path)
     model = _read(path)
-    graph = model.graph
-    if not model.HasField("graph") or not graph.output:
+    if not model.HasField("graph") or not model.graph.output:
         raise OnnxLoadError(f"{path} is not an ONNX model: it has no graph outputs")
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
-    ctx = _Context(dtype, opset)
-    for init in graph.initializer:
-        ctx.constants[init.name] = numpy_helper.to_array(init)
+    dims = _input_dims(model)
+    batched = not dims[0].HasField("dim_value") or dims[0].dim_value == 1
+    if batched:
+        try:
+            ctx = _convert(model, dtype, batched=True)
+        except NeedsUnbatched:
+            batched = False
+    if not batched:
+        ctx = _convert(model, dtype, batched=False)
+    output = model.graph.output[0].name
+    if output not in ctx.variables:
+        raise OnnxLoadError(f"the graph output {output!r} is a constant or is never computed")
+    nodes = _fuse_biases(ctx.nodes, ctx.variables[output].name)
+    _check_finite(nodes, path)
+    return BoundGraph(nodes, output=ctx.variables[output].name).to(device=device)
+
+
+def _input_dims(model: onnx.ModelProto) -> list:
+    initializers = {init.name for init in model.graph.initializer}
     # Old exporters list the initializers among the graph inputs as well.
-    inputs = [value for value in graph.input if value.name not in ctx.constants]
-    if len(inputs) != 1 or len(graph.output) != 1:
+    inputs = [value for value in model.graph.input if value.name not in initializers]
+    if len(inputs) != 1 or len(model.graph.output) != 1:
         raise UnsupportedModelError(
-            f"expected one input and one output, got {len(inputs)} inputs and {len(graph.output)} outputs"
+            f"expected one input and one output, got {len(inputs)} inputs and {len(model.graph.output)} outputs"
         )
-    dims = inputs[0].type.tensor_type.shape.dim
-    if not dims or (dims[0].HasField("dim_value") and dims[0].dim_value != 1):
-        raise UnsupportedModelError(f"input {inputs[0].name!r} needs a leading batch dimension of 1")
+    dims = list(inputs[0].type.tensor_type.shape.dim)
+    if not dims:
+        raise UnsupportedModelError(f"input {inputs[0].name!r} is a scalar; the verifier needs a tensor input")
     if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims[1:]):
         raise UnsupportedModelError(f"input {inputs[0].name!r} has a non-static shape; only the batch may be symbolic")
-    ctx.nodes.append(Node(inputs[0].name, None, (), tuple(d.dim_value for d in dims[1:])))
-    ctx.variables[inputs[0].name] = ctx.nodes[0]
+    return dims
+
+
+def _convert(model: onnx.ModelProto, dtype: torch.dtype, batched: bool) -> LoadContext:
+    from lightning_fedshard.verify.onnx_converters import CONVERTERS, DISCRETE
+
+    graph = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    ctx = LoadContext(dtype, opset, batched)
+    for init in graph.initializer:
+        ctx.constants[init.name] = numpy_helper.to_array(init)
+    (value,) = [v for v in graph.input if v.name not in ctx.constants]
+    dims = [d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim]
+    shape = tuple(dims[1:]) if batched else tuple(dims)
+    ctx.nodes.append(Node(value.name, None, (), shape))
+    ctx.variables[value.name] = ctx.nodes[0]
 
     for node in graph.node:
         label = node.name or node.output[0]
         unknown = [name for name in node.input if name and name not in ctx.constants and name not in ctx.variables]
         if unknown:
             raise OnnxLoadError(f"node {label!r} ({node.op_type}) reads unknown tensor {unknown[0]!r}")
-        converter = _CONVERTERS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        folded = all(ctx.is_constant(name) for name in node.input if name)
-        if converter is None and not folded:
-            op_name = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+        if all(ctx.is_constant(name) for name in node.input if name):
+            fold(ctx, node)
+            continue
+        op_name = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        if op_name in DISCRETE:
+            raise UnsupportedModelError(
+                f"{op_name} at node {label!r} computes a discrete value from the input ({DISCRETE[op_name]}): "
+                "no linear bound holds across its jumps; cut the graph before it or restate the property"
+            )
+        converter = CONVERTERS.get(op_name)
+        if converter is None:
             raise UnsupportedModelError(f"unsupported ONNX operator {op_name!r} at node {label!r}")
         try:
-            if folded:
-                _fold(ctx, node)
-            else:
-                converter(ctx, node, _attributes(node))
-        except (ValueError, RuntimeError) as err:  # op constructors and forward passes reject bad configurations
+            converter(ctx, node, attributes(node))
+        except (ValueError, RuntimeError, IndexError) as err:  # op constructors and forward passes reject bad inputs
             raise UnsupportedModelError(f"{node.op_type} node {label!r}: {err}") from err
-
-    output = graph.output[0].name
-    if output not in ctx.variables:
-        raise OnnxLoadError(f"the graph output {output!r} is a constant or is never computed")
-    nodes = _fuse_biases(ctx.nodes, ctx.variables[output].name)
-    _check_finite(nodes, path)
-    return BoundGraph(nodes, output=ctx.variables[output].name).to(device=device)
+    return ctx
 
 
 def _check_finite(nodes: list[Node], path: Path) -> None:

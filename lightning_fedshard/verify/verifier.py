@@ -257,7 +257,7 @@ def _verify_case(
 
     # Each disjunct not ruled out at the root gets its own search (α,β-CROWN does the same per target label): the
     # branching then serves one objective, and the rows already proven cost nothing more.
-    open_disjuncts = [d for d in range(spec.num_disjuncts) if float(margins[spec.rows_of(d)].max()) <= 0]
+    open_disjuncts = [d for d in range(spec.num_disjuncts) if not float(margins[spec.rows_of(d)].max()) > 0]
     open_disjuncts.sort(key=lambda d: float(margins[spec.rows_of(d)].max()))
     answer = _CaseAnswer(Verdict.UNSAT, None, "bab", margins.tolist(), bab_mode, refine=refine_stats)
     for d in open_disjuncts:

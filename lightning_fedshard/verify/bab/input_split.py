@@ -238,7 +238,7 @@ def input_split(
         if cex is not None:
             return outcome(Verdict.SAT, cex.reshape(shape))
         with torch.no_grad():
-            open_ = spec.value(margins) <= 0
+            open_ = ~(spec.value(margins) > 0)  # NaN is open, never proven
             if by_phases:
                 cex = _try_phases(graph, spec, boxes, out, bounds, open_)
             else:

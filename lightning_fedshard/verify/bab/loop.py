@@ -68,7 +68,14 @@ def _primal_counterexample(graph: BoundGraph, spec: OutputSpec, corners: Tensor,
     return points[hit[0, 0]] if hit.numel() else None
 
 
-def _settle(graph: BoundGraph, spec: OutputSpec, box: Interval, domains: DomainBatch, config: VerifyConfig) -> bool:
+def _settle(
+    graph: BoundGraph,
+    spec: OutputSpec,
+    box: Interval,
+    domains: DomainBatch,
+    config: VerifyConfig,
+    deadline: float | None,
+) -> bool:
     """Whether domains with nothing left to split are proven after a longer β optimisation.
 
     On a piecewise-linear graph (``graph.exact_when_split``) the network is linear on such a domain and β-CROWN's
@@ -87,8 +94,9 @@ def _settle(graph: BoundGraph, spec: OutputSpec, box: Interval, domains: DomainB
         config.beta_lr_alpha,
         10 * config.beta_lr_beta,
         stop_above=spec.rhs.view(-1, 1).expand(-1, n),
+        deadline=deadline,
     )
-    return bool((spec.value(torch.maximum(result.lower.T - spec.rhs, domains.margins)) > 0).all())
+    return bool((spec.value(torch.fmax(result.lower.T - spec.rhs, domains.margins)) > 0).all())
 
 
 class _DomainParallel:
@@ -142,8 +150,8 @@ def branch_and_bound(
     kept_names = sorted({consumer.name for consumer, _ in graph.splitter.values()})
     start = DomainBatch.at_root(graph, spec, root)
     with torch.no_grad():
-        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=kept_names)
-    if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates).all():
+        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=kept_names, deadline=deadline)
+    if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates, deadline).all():
         return BabOutcome(Verdict.UNKNOWN, None, 0, 0, 1)
     parallel = _DomainParallel(domain_group) if domain_group is not None else None
     pool: DomainPool | None = DomainPool(start)
@@ -228,7 +236,7 @@ def _round(
         keep=kept_names,
     )
     # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
-    children.margins = torch.maximum(result.lower.T - spec.rhs, children.margins)
+    children.margins = torch.fmax(result.lower.T - spec.rhs, children.margins)  # a NaN bound keeps the parent's
     depth = int(children.depth.max())
     corners = result.minimiser(box)
     cex = _primal_counterexample(graph, spec, corners, children.margins)
@@ -238,13 +246,14 @@ def _round(
         cex = pgd_attack(graph, spec, box, restarts=8, steps=20, starts=starts, generator=generator)
     if cex is not None:
         return cex, n, depth, False
-    open_ = (spec.value(children.margins) <= 0).nonzero().flatten()
+    open_ = (~(spec.value(children.margins) > 0)).nonzero().flatten()  # NaN is open, never proven
     if not open_.numel():
         return None, n, depth, False
     children = children.take(open_)
     kept = {name: A[:, open_] for name, A in result.kept.items()}
-    splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates)
+    splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates, deadline)
     if not bool(splittable.all()):
-        stuck = stuck or not _settle(graph, spec, box, children.take((~splittable).nonzero().flatten()), config)
+        unsplittable = children.take((~splittable).nonzero().flatten())
+        stuck = stuck or not _settle(graph, spec, box, unsplittable, config, deadline)
     pool.push(children.take(splittable.nonzero().flatten()))
     return None, n, depth, stuck

@@ -83,8 +83,8 @@ def prove_by_pieces(
         pieces = Interval(boxes.lower[owner], boxes.upper[owner])
         stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
         result = beta_crown(graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop)
-        domains.margins = torch.maximum(result.lower.T - spec.rhs, domains.margins)
-        open_ = (spec.value(domains.margins) <= 0).nonzero().flatten()
+        domains.margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
+        open_ = (~(spec.value(domains.margins) > 0)).nonzero().flatten()  # NaN is open
         corners = result.minimiser(pieces)[:, open_].flatten(0, 1)
         cex = counterexample_among(graph, spec, corners) if corners.numel() else None
         domains, owner = domains.take(open_), owner[open_]

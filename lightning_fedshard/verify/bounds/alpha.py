@@ -22,7 +22,13 @@ from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import agree, past
 from lightning_fedshard.verify.shard.rows import RowPartition
 
-__all__ = ["AlphaResult", "alpha_crown", "initial_alphas"]
+__all__ = ["ALPHA_ELEMENTS", "AlphaResult", "alpha_crown", "initial_alphas"]
+
+#: At most this many α values (each with two Adam moments and a gradient besides: 1 GiB in all in float32). Past
+#: it only the output pass is optimised and the intermediate passes keep CROWN's relaxations (a graph whose
+#: intermediate passes cross large non-linear layers — ReLU lookup tables of 20,000 neurons, started from hundreds
+#: of rows each — would need gigabytes); past it for the output pass alone, α-CROWN is CROWN.
+ALPHA_ELEMENTS = 1 << 26
 
 
 @dataclass
@@ -51,6 +57,16 @@ def initial_alphas(graph: BoundGraph, start: str, rows: int, bounds: dict[str, I
         alpha = node.op.initial_alpha([bounds[name] for name in node.inputs])
         alphas[node.name] = alpha.unsqueeze(0).repeat(rows, *([1] * alpha.dim()))
     return alphas
+
+
+def _alpha_elements(graph: BoundGraph, start: str, rows: int, batch: int) -> int:
+    """How many α values the pass from ``start`` with ``rows`` rows holds (before any is made)."""
+    total = 0
+    for node in graph.ancestors(start):
+        shape = node.op.alpha_shape(node.shape) if node.op is not None else None
+        if shape is not None:
+            total += rows * batch * int(torch.Size(shape).numel())
+    return total
 
 
 def alpha_crown(
@@ -92,10 +108,18 @@ def alpha_crown(
         )
         crown_lower = spec_lower(graph, C, box, start_bounds, partition=partition)
     refined = {pre: index for pre, index in refined.items() if index.numel()}
+    batch = box.lower.shape[0]
+    sizes = {pre: _alpha_elements(graph, pre, 2 * local_rows(index.numel()), batch) for pre, index in refined.items()}
+    output_size = _alpha_elements(graph, output, local_rows(C.shape[0]), batch)
+    # Every rank decides from the same sizes (its own chunk of the rows, which differ by at most one per pass).
+    intermediate = output_size + sum(sizes.values()) <= ALPHA_ELEMENTS
     alphas = {
-        pre: initial_alphas(graph, pre, 2 * local_rows(index.numel()), start_bounds) for pre, index in refined.items()
+        pre: initial_alphas(graph, pre, 2 * local_rows(index.numel()), start_bounds) if intermediate else {}
+        for pre, index in refined.items()
     }
-    alphas[output] = initial_alphas(graph, output, local_rows(C.shape[0]), start_bounds)
+    alphas[output] = (
+        initial_alphas(graph, output, local_rows(C.shape[0]), start_bounds) if output_size <= ALPHA_ELEMENTS else {}
+    )
     parameters = [alpha.requires_grad_() for per_start in alphas.values() for alpha in per_start.values()]
 
     best_lower = crown_lower.clone()
@@ -115,21 +139,24 @@ def alpha_crown(
         with torch.enable_grad():
             # The refined neurons' CROWN bounds replace the interval and earlier ones here (intersecting would take
             # the gradient away from the slopes that could make CROWN tighter still where those are tighter); the
-            # neurons CROWN does not refine keep the tightest bounds known, not plain interval ones.
-            bounds = intermediate_bounds(
-                graph,
-                box,
-                alphas,
-                {pre: Interval(b.lower.detach(), b.upper.detach()) for pre, b in best_bounds.items()},
-                refined,
-                intersect_ibp=False,
-                partition=partition,
-                deadline=deadline,
-            )
+            # neurons CROWN does not refine keep the tightest bounds known, not plain interval ones. Without
+            # intermediate α those bounds do not change: the root's are used.
+            bounds = start_bounds
+            if intermediate:
+                bounds = intermediate_bounds(
+                    graph,
+                    box,
+                    alphas,
+                    {pre: Interval(b.lower.detach(), b.upper.detach()) for pre, b in best_bounds.items()},
+                    refined,
+                    intersect_ibp=False,
+                    partition=partition,
+                    deadline=deadline,
+                )
             for pre, best in best_bounds.items():
                 now = bounds[pre]
                 best_bounds[pre] = Interval(
-                    torch.maximum(best.lower, now.lower.detach()), torch.minimum(best.upper, now.upper.detach())
+                    torch.fmax(best.lower, now.lower.detach()), torch.fmin(best.upper, now.upper.detach())
                 )
             lower = spec_lower(graph, C, box, bounds, alphas[output], partition)
             # The same slopes over the tightest intermediate bounds known: the bound branch-and-bound starts from.
@@ -144,7 +171,7 @@ def alpha_crown(
             for name, alpha in alphas[output].items():
                 mask = improved.view(*improved.shape, *([1] * (alpha.dim() - 2)))
                 best_alphas[name] = torch.where(mask, alpha.detach(), best_alphas[name])
-            best_lower = torch.maximum(best_lower, torch.maximum(lower.detach(), lower_best.detach()))
+            best_lower = torch.fmax(best_lower, torch.fmax(lower.detach(), lower_best.detach()))  # NaN never wins
             optimizer.step()
             schedule.step()
             for alpha in parameters:

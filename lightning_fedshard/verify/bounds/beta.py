@@ -25,10 +25,16 @@ from lightning_fedshard.verify.shard.lockstep import agree, past
 __all__ = ["beta_crown"]
 
 
-def _bound(graph: BoundGraph, box: Interval, C: Tensor, domains: DomainBatch, keep: Collection[str]) -> Backward:
-    return backward_bound(
-        graph, graph.output.name, C, box, domains.bounds(), domains.alphas, domains.beta_terms(), keep
-    )
+def _bound(
+    graph: BoundGraph,
+    box: Interval,
+    C: Tensor,
+    domains: DomainBatch,
+    keep: Collection[str],
+    deadline: float | None,
+) -> Backward:
+    terms = domains.beta_terms()
+    return backward_bound(graph, graph.output.name, C, box, domains.bounds(), domains.alphas, terms, keep, deadline)
 
 
 def beta_crown(
@@ -47,10 +53,12 @@ def beta_crown(
 
     ``domains.alphas``/``domains.betas`` are updated in place to the best values found. The returned pass is
     re-run with those values, so its ``kept`` coefficients (at the nodes in ``keep``) and ``input_A`` belong to
-    the returned bound. Optimisation stops early when every domain's rows exceed ``stop_above [S, N]``.
+    the returned bound. Optimisation stops early when every domain's rows exceed ``stop_above [S, N]``, and at the
+    ``deadline``: between iterations, and inside a pass (one rank alone: between its operator steps) with
+    :class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`.
     """
     with torch.no_grad():
-        best = _bound(graph, box, C, domains, ()).lower
+        best = _bound(graph, box, C, domains, (), deadline).lower
     if iterations:
         alphas = {k: v.clone().requires_grad_() for k, v in domains.alphas.items()}
         betas = {k: v.clone().requires_grad_() for k, v in domains.betas.items()}
@@ -64,7 +72,7 @@ def beta_crown(
             if past(deadline):
                 break
             with torch.enable_grad():
-                lower = _bound(graph, box, C, trial, ()).lower
+                lower = _bound(graph, box, C, trial, (), deadline).lower
                 optimizer.zero_grad(set_to_none=True)
                 (-lower.sum()).backward()
             with torch.no_grad():
@@ -80,6 +88,6 @@ def beta_crown(
                 for value in betas.values():
                     value.clamp_(min=0)
     with torch.no_grad():
-        final = _bound(graph, box, C, domains, keep)
-    final.lower = torch.maximum(final.lower, best)
+        final = _bound(graph, box, C, domains, keep, deadline)
+    final.lower = torch.fmax(final.lower, best)
     return final

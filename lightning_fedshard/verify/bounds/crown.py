@@ -232,33 +232,34 @@ def intermediate_bounds(
         interval = node.op.ibp(*(bounds[name] for name in node.inputs))
         if linear is not None:
             interval = linear.tighten(node, interval, bounds)
-        if node.name in bounded:
-            if reference is not None and node.name in reference:
-                ref = reference[node.name]
-                interval = Interval(torch.maximum(interval.lower, ref.lower), torch.minimum(interval.upper, ref.upper))
-            if crown and not graph.ibp_is_exact(node.name):
-                if rows is not None and node.name in rows:
-                    index = rows[node.name]
+        if node.name in bounded and reference is not None and node.name in reference:
+            ref = reference[node.name]
+            interval = Interval(torch.maximum(interval.lower, ref.lower), torch.minimum(interval.upper, ref.upper))
+        if node.name in graph.crown_targets and crown and not graph.ibp_is_exact(node.name):
+            if rows is not None and node.name in rows:
+                index = rows[node.name]
+            elif graph.crown_targets[node.name]:  # a source of larger copies: all of it
+                index = (interval.upper > interval.lower).flatten(1).any(0).nonzero().flatten()
+            else:
+                mask = graph.refine_mask(node.name, {**bounds, node.name: interval})
+                index = mask.flatten(1).any(0).nonzero().flatten()
+            if used_rows is not None:
+                used_rows[node.name] = index
+            if index.numel():
+                check_deadline(deadline)
+                start_alphas = alphas.get(node.name) if alphas is not None else None
+                mine = index if partition is None else index[partition.span(index.numel())]
+                if conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name):
+                    C = Patches.identity(mine, batch, node.shape, interval.lower.dtype)
                 else:
-                    mask = graph.refine_mask(node.name, {**bounds, node.name: interval})
-                    index = mask.flatten(1).any(0).nonzero().flatten()
-                if used_rows is not None:
-                    used_rows[node.name] = index
-                if index.numel():
-                    check_deadline(deadline)
-                    start_alphas = alphas.get(node.name) if alphas is not None else None
-                    mine = index if partition is None else index[partition.span(index.numel())]
-                    if conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name):
-                        C = Patches.identity(mine, batch, node.shape, interval.lower.dtype)
-                    else:
-                        C = selection_rows(mine, batch, node.shape, interval.lower.dtype)
-                    lower = backward_bound(graph, node.name, C, box, bounds, start_alphas, deadline=deadline).lower
-                    U = mine.numel()
-                    lower, upper = lower[:U], -lower[U:]
-                    if partition is not None:
-                        both = partition.gather(torch.stack([lower, upper], 1), index.numel())
-                        lower, upper = both[:, 0], both[:, 1]
-                    interval = _refine(interval, index, lower.T, upper.T, intersect_ibp)
+                    C = selection_rows(mine, batch, node.shape, interval.lower.dtype)
+                lower = backward_bound(graph, node.name, C, box, bounds, start_alphas, deadline=deadline).lower
+                U = mine.numel()
+                lower, upper = lower[:U], -lower[U:]
+                if partition is not None:
+                    both = partition.gather(torch.stack([lower, upper], 1), index.numel())
+                    lower, upper = both[:, 0], both[:, 1]
+                interval = _refine(interval, index, lower.T, upper.T, intersect_ibp)
         bounds[node.name] = interval
         if node is graph.output:
             break

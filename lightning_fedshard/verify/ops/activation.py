@@ -25,8 +25,9 @@ from torch import Tensor
 
 from lightning_fedshard.verify.floats import HUGE, round_down, round_up
 from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract
+from lightning_fedshard.verify.ops.patches import Patches
 
-__all__ = ["Activation", "Lines", "float64_interval"]
+__all__ = ["Activation", "Lines", "bias_term", "float64_interval"]
 
 #: Relative slack added to every float64 extreme before it is rounded to the working dtype: float64's own rounding
 #: in evaluating ``f`` and the products (a few ulps of float64), far below one ulp of float32.
@@ -58,12 +59,27 @@ class Lines:
         return torch.maximum(slope * pre.lower + bias, slope * pre.upper + bias)
 
 
-def float64_interval(pre: Interval) -> tuple[Tensor, Tensor]:
-    """``(l, u)`` in float64, clamped to ``±HUGE`` (an infinite bound is an unbounded one) and with ``u ≥ l`` (an
-    empty interval — contradicting split assumptions — is a point: any line is valid over nothing)."""
-    lower = pre.lower.double().clamp(-HUGE, HUGE)
-    upper = torch.maximum(pre.upper.double().clamp(-HUGE, HUGE), lower)
-    return lower, upper
+def float64_interval(pre: Interval) -> tuple[Tensor, Tensor, Tensor]:
+    """``(l, u, unbounded)`` in float64 with ``u ≥ l`` (an empty interval — contradicting split assumptions — is a
+    point: any line is valid over nothing); where an end reaches past ``±HUGE`` (or is not a number) ``unbounded``
+    is set and both ends are 0, to keep the arithmetic finite: the caller's lines there are ``±inf``."""
+    lower, upper = pre.lower.double(), pre.upper.double()
+    unbounded = ~((lower.abs() <= HUGE) & (upper.abs() <= HUGE))
+    lower = torch.where(unbounded, 0, lower)
+    upper = torch.where(unbounded, 0, torch.maximum(upper, lower))
+    return lower, upper, unbounded
+
+
+def bias_term(A: Tensor | Patches, bias: Tensor) -> Tensor:
+    """``contract(A, bias)`` for the constant term of a lower bound, where an infinite intercept (an unbounded
+    relaxation) counts only under a non-zero coefficient, and makes the bound ``−inf``."""
+    if bool(torch.isfinite(bias).all()):
+        return contract(A, bias)
+    dense = A.to_dense() if isinstance(A, Patches) else A
+    infinite = ~torch.isfinite(bias)
+    term = contract(dense, torch.where(infinite, 0, bias))
+    touched = ((dense != 0) & infinite).flatten(2).any(-1)
+    return torch.where(touched, -torch.inf, term)
 
 
 class Activation(BoundOp):
@@ -117,7 +133,7 @@ class Activation(BoundOp):
     def relax(self, pre: Interval, alpha: Tensor | None = None) -> Lines:
         """The two lines over ``pre``: CROWN's choice of slopes, or those α ``[S, B, 2, *shape]`` (any values;
         clamped to [0, 1]) places in :meth:`slope_range`."""
-        lower, upper = float64_interval(pre)
+        lower, upper, unbounded = float64_interval(pre)
         low, high = self.slope_range(lower, upper)
         lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high)
         if alpha is not None:
@@ -127,25 +143,30 @@ class Activation(BoundOp):
             else:
                 lower_slope = low + alpha[:, :, 0] * (high - low)
                 upper_slope = low + alpha[:, :, 1] * (high - low)
-        return self.lines(lower_slope, upper_slope, lower, upper, pre.lower.dtype)
+        return self.lines(lower_slope, upper_slope, lower, upper, unbounded, pre.lower.dtype)
 
     def lines(
-        self, lower_slope: Tensor, upper_slope: Tensor, lower: Tensor, upper: Tensor, dtype: torch.dtype
+        self,
+        lower_slope: Tensor,
+        upper_slope: Tensor,
+        lower: Tensor,
+        upper: Tensor,
+        unbounded: Tensor,
+        dtype: torch.dtype,
     ) -> Lines:
         """Lines of the given float64 slopes over ``[lower, upper]`` (float64), in ``dtype``: each slope rounded
-        once, the intercepts computed for the rounded slopes and rounded outwards."""
-        lower_slope, upper_slope = lower_slope.to(dtype), upper_slope.to(dtype)
+        once, the intercepts computed for the rounded slopes and rounded outwards (``±inf`` where ``unbounded``, or
+        where the function is: outside its domain, or overflowing)."""
+        lower_slope = torch.where(unbounded, 0, lower_slope).to(dtype)
+        upper_slope = torch.where(unbounded, 0, upper_slope).to(dtype)
         reach = torch.maximum(lower.abs(), upper.abs())
         below = self.offset(lower_slope.double(), lower, upper, maximum=False)
         above = self.offset(upper_slope.double(), lower, upper, maximum=True)
         below = below - _FLOAT64_SLACK * (1 + below.abs() + lower_slope.double().abs() * reach)
         above = above + _FLOAT64_SLACK * (1 + above.abs() + upper_slope.double().abs() * reach)
-        return Lines(
-            lower_slope,
-            round_down(below.clamp(-HUGE, HUGE), dtype),
-            upper_slope,
-            round_up(above.clamp(-HUGE, HUGE), dtype),
-        )
+        below = torch.where(unbounded, -torch.inf, below)
+        above = torch.where(unbounded, torch.inf, above)
+        return Lines(lower_slope, round_down(below, dtype), upper_slope, round_up(above, dtype))
 
     def _chosen_slopes(self, lower: Tensor, upper: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
         """Per neuron, the candidate slope whose lower (upper) line is highest (lowest) at the midpoint."""
@@ -160,14 +181,13 @@ class Activation(BoundOp):
     # -- the BoundOp contract ----------------------------------------------------------------------------------
 
     def ibp(self, x: Interval) -> Interval:
-        lower, upper = float64_interval(x)
+        lower, upper, unbounded = float64_interval(x)
         zero = torch.zeros_like(lower)
         low = self.offset(zero, lower, upper, maximum=False)
         high = self.offset(zero, lower, upper, maximum=True)
-        low = low - _FLOAT64_SLACK * (1 + low.abs())
-        high = high + _FLOAT64_SLACK * (1 + high.abs())
-        dtype = x.lower.dtype
-        return Interval(round_down(low.clamp(-HUGE, HUGE), dtype), round_up(high.clamp(-HUGE, HUGE), dtype))
+        low = torch.where(unbounded, -torch.inf, low - _FLOAT64_SLACK * (1 + low.abs()))
+        high = torch.where(unbounded, torch.inf, high + _FLOAT64_SLACK * (1 + high.abs()))
+        return Interval(round_down(low, x.lower.dtype), round_up(high, x.lower.dtype))
 
     def backward(self, A, inputs, alpha=None):
         (pre,) = inputs
@@ -176,9 +196,9 @@ class Activation(BoundOp):
         A_pre = A_pos * lines.lower_slope + A_neg * lines.upper_slope
         bias = None
         if lines.lower_bias is not None:
-            bias = contract(A_pos, lines.lower_bias)
+            bias = bias_term(A_pos, lines.lower_bias)
         if lines.upper_bias is not None:
-            term = contract(A_neg, lines.upper_bias)
+            term = bias_term(A_neg, lines.upper_bias)
             bias = term if bias is None else bias + term
         return [A_pre], bias
 
@@ -189,7 +209,7 @@ class Activation(BoundOp):
         if not self.alpha_per_neuron:
             return None
         (pre,) = inputs
-        lower, upper = float64_interval(pre)
+        lower, upper, _ = float64_interval(pre)
         low, high = self.slope_range(lower, upper)
         chosen = self._chosen_slopes(lower, upper, low, high)
         width = high - low
@@ -214,7 +234,7 @@ class Activation(BoundOp):
         one that leaves the two halves with the smallest relaxation gaps (GenBaB's optimised branching points,
         computed for the interval at hand instead of looked up in a table)."""
         pre = inputs[index]
-        lower, upper = float64_interval(pre)
+        lower, upper, _ = float64_interval(pre)
         fractions = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device=lower.device)
         points = lower + fractions.view(-1, *([1] * lower.dim())) * (upper - lower)
         left = self._gap_area(lower.expand_as(points), points)

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import HUGE, round_down, round_up
-from lightning_fedshard.verify.ops.activation import float64_interval
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract
+from lightning_fedshard.verify.floats import round_down, round_up
+from lightning_fedshard.verify.ops.activation import bias_term, float64_interval
+from lightning_fedshard.verify.ops.base import BoundOp, Interval
 
 __all__ = ["Mul"]
 
@@ -52,26 +52,25 @@ class Mul(BoundOp):
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return a * b
 
-    def _corners(self, a: Interval, b: Interval) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The four bounds in float64, broadcast to ``[B, *out_shape]``."""
-        al, au = float64_interval(a)
-        bl, bu = float64_interval(b)
-        return torch.broadcast_tensors(al, au, bl, bu)
+    def _corners(self, a: Interval, b: Interval) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The four bounds in float64, broadcast to ``[B, *out_shape]``, and where either factor is unbounded
+        (see :func:`~.activation.float64_interval`)."""
+        al, au, a_unbounded = float64_interval(a)
+        bl, bu, b_unbounded = float64_interval(b)
+        return torch.broadcast_tensors(al, au, bl, bu, a_unbounded | b_unbounded)
 
     def ibp(self, a: Interval, b: Interval) -> Interval:
-        al, au, bl, bu = self._corners(a, b)
+        al, au, bl, bu, unbounded = self._corners(a, b)
         products = torch.stack([al * bl, al * bu, au * bl, au * bu])
         low, high = products.amin(0), products.amax(0)
-        dtype = a.lower.dtype
-        return Interval(
-            round_down((low - _FLOAT64_SLACK * (1 + low.abs())).clamp(-HUGE, HUGE), dtype),
-            round_up((high + _FLOAT64_SLACK * (1 + high.abs())).clamp(-HUGE, HUGE), dtype),
-        )
+        low = torch.where(unbounded, -torch.inf, low - _FLOAT64_SLACK * (1 + low.abs()))
+        high = torch.where(unbounded, torch.inf, high + _FLOAT64_SLACK * (1 + high.abs()))
+        return Interval(round_down(low, a.lower.dtype), round_up(high, a.lower.dtype))
 
     def planes(self, a: Interval, b: Interval, alpha: Tensor | None = None) -> tuple[Tensor, ...]:
         """``(a_L, b_L, c_L, a_U, b_U, c_U)``: ``a_L·x + b_L·y + c_L ≤ xy ≤ a_U·x + b_U·y + c_U`` on the box, in the
         inputs' dtype, ``[B, *out_shape]`` (``[S, B, *out_shape]`` with α ``[S, B, 2, *out_shape]``)."""
-        al, au, bl, bu = self._corners(a, b)
+        al, au, bl, bu, unbounded = self._corners(a, b)
         if alpha is None:
             low_weight = high_weight = torch.full_like(al, 0.5)
         else:
@@ -79,29 +78,30 @@ class Mul(BoundOp):
             low_weight, high_weight = alpha[:, :, 0], alpha[:, :, 1]
         dtype = a.lower.dtype
         coefficients = [
-            (low_weight * bl + (1 - low_weight) * bu).to(dtype),
-            (low_weight * al + (1 - low_weight) * au).to(dtype),
-            (high_weight * bu + (1 - high_weight) * bl).to(dtype),
-            (high_weight * al + (1 - high_weight) * au).to(dtype),
+            torch.where(unbounded, 0, c).to(dtype)
+            for c in (
+                low_weight * bl + (1 - low_weight) * bu,
+                low_weight * al + (1 - low_weight) * au,
+                high_weight * bu + (1 - high_weight) * bl,
+                high_weight * al + (1 - high_weight) * au,
+            )
         ]
         corners = [(x, y) for x in (al, au) for y in (bl, bu)]
 
-        def residuals(ca: Tensor, cb: Tensor) -> Tensor:
+        def residual(ca: Tensor, cb: Tensor, maximum: bool) -> Tensor:
+            """The extreme of ``xy − ca·x − cb·y`` over the corners, moved outwards past float64's rounding."""
             ca, cb = ca.double(), cb.double()
-            return torch.stack(torch.broadcast_tensors(*(x * y - ca * x - cb * y for x, y in corners)))
+            values = torch.stack(torch.broadcast_tensors(*(x * y - ca * x - cb * y for x, y in corners)))
+            sizes = torch.stack(
+                torch.broadcast_tensors(*((x * y).abs() + (ca * x).abs() + (cb * y).abs() for x, y in corners))
+            )
+            slack = _FLOAT64_SLACK * (1 + sizes.amax(0))
+            extreme = values.amax(0) + slack if maximum else values.amin(0) - slack
+            return torch.where(unbounded, torch.inf if maximum else -torch.inf, extreme)
 
-        below = residuals(*coefficients[:2]).amin(0)
-        above = residuals(*coefficients[2:]).amax(0)
-        below = below - _FLOAT64_SLACK * (1 + below.abs() + (coefficients[0].double() * al).abs())
-        above = above + _FLOAT64_SLACK * (1 + above.abs() + (coefficients[2].double() * au).abs())
-        return (
-            coefficients[0],
-            coefficients[1],
-            round_down(below.clamp(-HUGE, HUGE), dtype),
-            coefficients[2],
-            coefficients[3],
-            round_up(above.clamp(-HUGE, HUGE), dtype),
-        )
+        below = round_down(residual(*coefficients[:2], maximum=False), dtype)
+        above = round_up(residual(*coefficients[2:], maximum=True), dtype)
+        return coefficients[0], coefficients[1], below, coefficients[2], coefficients[3], above
 
     def _to_input(self, A: Tensor, index: int) -> Tensor:
         """Coefficients on the (broadcast) output summed back to input ``index``'s shape."""
@@ -112,7 +112,7 @@ class Mul(BoundOp):
         A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
         A_a = A_pos * a_low + A_neg * a_high
         A_b = A_pos * b_low + A_neg * b_high
-        bias = contract(A_pos, c_low) + contract(A_neg, c_high)
+        bias = bias_term(A_pos, c_low) + bias_term(A_neg, c_high)
         return [self._to_input(A_a, 0), self._to_input(A_b, 1)], bias
 
     # -- α, refinement and branching (as for Activation) -------------------------------------------------------

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import round_up
 from lightning_fedshard.verify.ops.activation import Activation, Lines
-from lightning_fedshard.verify.ops.base import Interval
+from lightning_fedshard.verify.ops.base import Interval, contract
 
 __all__ = ["Clip", "LeakyReLU", "PiecewiseLinear", "ReLU"]
 
@@ -102,9 +101,9 @@ class ReLU(PiecewiseLinear):
     ``y ≤ λ(x − l)`` with ``λ = u/(u−l)`` above, and ``y ≥ α·x`` below for any ``α ∈ [0, 1]``. CROWN takes the
     adaptive slope (``α = 1`` when ``u > −l``, else 0: the better line at the interval's midpoint); α-CROWN optimises
     α per neuron and per bounded row. Stable neurons are exact lines (slope 1 or 0). A lower bound takes the lower
-    line where its coefficient is positive and the upper line where it is negative. The chord's intercept is the
-    exact one for the rounded slope, ``max(−λl, u − λu)`` (products of two float32 numbers are exact in float64),
-    rounded up: the line is above the ReLU on all of ``[l, u]`` in exact arithmetic, not only up to rounding.
+    line where its coefficient is positive and the upper line where it is negative. The chord's intercept is raised
+    past the rounding of ``λ`` and ``−λl`` (:meth:`upper_line`): the line is above the ReLU on all of ``[l, u]`` in
+    exact arithmetic, not only up to rounding.
 
     Example::
 
@@ -133,27 +132,37 @@ class ReLU(PiecewiseLinear):
         return (pre.lower < 0) & (pre.upper > 0)
 
     @staticmethod
-    def upper_line(pre: Interval) -> tuple[Tensor, Tensor]:
-        """Slope and intercept ``[B, *shape]`` of the line above the ReLU (exact for stable neurons)."""
-        l, u = pre.lower, pre.upper
-        unstable = ReLU.unstable(pre)
-        slope = torch.where(unstable, u / torch.where(unstable, u - l, 1.0), (l >= 0).to(l.dtype))
-        if l.dtype == torch.float64:
-            intercept = torch.maximum(-slope * l, u - slope * u)
-        else:
-            s64, u64 = slope.double(), u.double()
-            intercept = round_up(torch.maximum(-s64 * l.double(), u64 - s64 * u64), l.dtype)
-        return slope, torch.where(unstable, intercept, 0.0)
+    def upper_line(pre: Interval, unstable: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Slope and intercept ``[B, *shape]`` of the line above the ReLU (exact for stable neurons).
 
-    def lower_slope(self, pre: Interval, alpha: Tensor | None) -> Tensor:
+        The exact intercept for the rounded slope ``λ`` is ``max(−λl, u − λu)``, at most ``−λl + 2⁻²³·u`` (``λ`` and
+        ``u − l`` are each rounded once); ``fl(−λl) + 3ε·u`` (ε = 2⁻²³, the dtype's machine epsilon, in general)
+        stays above it after its own two roundings. Done in the working dtype: this is the hottest relaxation."""
+        l, u = pre.lower, pre.upper
+        if unstable is None:
+            unstable = ReLU.unstable(pre)
+        slope = torch.where(unstable, u / torch.where(unstable, u - l, 1.0), (l >= 0).to(l.dtype))
+        margin = 3 * torch.finfo(l.dtype).eps
+        return slope, torch.where(unstable, torch.addcmul(-slope * l, u, torch.full_like(u, margin)), 0.0)
+
+    def lower_slope(self, pre: Interval, alpha: Tensor | None, unstable: Tensor | None = None) -> Tensor:
         """``[B, *shape]`` or ``[S, B, *shape]``: α (or the adaptive slope) on unstable neurons, exact elsewhere."""
+        if unstable is None:
+            unstable = self.unstable(pre)
         exact = (pre.lower >= 0).to(pre.lower.dtype)
         chosen = self.adaptive_slope(pre) if alpha is None else alpha.clamp(0, 1)
-        return torch.where(self.unstable(pre), chosen, exact)
+        return torch.where(unstable, chosen, exact)
 
     def relax(self, pre: Interval, alpha: Tensor | None = None) -> Lines:
-        upper_slope, upper_intercept = self.upper_line(pre)
-        return Lines(self.lower_slope(pre, alpha), None, upper_slope, upper_intercept)
+        unstable = self.unstable(pre)
+        upper_slope, upper_intercept = self.upper_line(pre, unstable)
+        return Lines(self.lower_slope(pre, alpha, unstable), None, upper_slope, upper_intercept)
+
+    def backward(self, A, inputs, alpha=None):
+        # Activation's step without its check for infinite intercepts (a ReLU's are finite on finite bounds).
+        lines = self.relax(inputs[0], alpha)
+        A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
+        return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], contract(A_neg, lines.upper_bias)
 
     def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor:
         return self.adaptive_slope(inputs[0])
@@ -193,11 +202,6 @@ class LeakyReLU(PiecewiseLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.where(x >= 0, x, x * self.negative_slope)
-
-    def ibp(self, x: Interval) -> Interval:
-        if self.negative_slope >= 0:  # monotone
-            return Interval(self.forward(x.lower), self.forward(x.upper))
-        return super().ibp(x)
 
     def __repr__(self) -> str:
         return "Abs" if self.negative_slope == -1 else f"LeakyReLU({self.negative_slope:g})"

@@ -10,7 +10,7 @@ piece, so ``g(x*) ≥ g(p) + g'(p)(x* − p)``). Any extra candidate point can o
 up), so the candidates need not be selected carefully, only complete.
 
 Outside its domain (log or a fractional power of a negative number, the reciprocal across zero) a function has no
-lines: the relaxation is unbounded there (``±HUGE``), and the bound that needs it is useless rather than wrong.
+lines: the relaxation is unbounded there (``±inf``), and the bound that needs it is useless rather than wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from abc import abstractmethod
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import HUGE
 from lightning_fedshard.verify.ops.activation import Activation
 
 __all__ = ["Cos", "Exp", "Log", "Pow", "Reciprocal", "Sigmoid", "Sin", "SmoothActivation", "Sqrt", "Tanh"]
@@ -73,7 +72,9 @@ class SmoothActivation(Activation):
         width = upper - lower
         points = [lower, upper] + [p.clamp(lower, upper) for p in self.inflections(lower, upper)]
         values = [self.value(self.inside(p)) - slope * p for p in points]
-        for raw, start, end in self.stationary(slope, lower):
+        # The stationary points carry no gradient: at a true one d(f(p) − a·p)/da = −p whatever p's own derivative
+        # (the envelope theorem), and the closed forms' derivatives blow up where they are clamped.
+        for raw, start, end in self.stationary(slope.detach(), lower):
             low, high = torch.maximum(lower, _full(start, lower)), torch.minimum(upper, _full(end, upper))
             p = self.inside(torch.minimum(torch.maximum(raw, low), high).clamp(lower, upper))
             # Only a point strictly inside its piece stands for an interior extreme; one clamped to the piece's
@@ -84,7 +85,7 @@ class SmoothActivation(Activation):
         stacked = torch.stack(torch.broadcast_tensors(*values))
         extreme = stacked.amax(0) if maximum else stacked.amin(0)
         undefined = ~self.defined(lower, upper)
-        return torch.where(undefined, HUGE if maximum else -HUGE, extreme)
+        return torch.where(undefined, torch.inf if maximum else -torch.inf, extreme)
 
     def slope_range(self, lower, upper):
         # f' is extreme at the endpoints or where f'' = 0: the inflection points.
@@ -175,7 +176,7 @@ class Exp(SmoothActivation):
     def offset(self, slope, lower, upper, maximum):
         extreme = super().offset(slope, lower, upper, maximum)
         # Past float32's range the network's exp is infinite: no line lies above it.
-        return torch.where(upper > 88.0, HUGE, extreme) if maximum else extreme
+        return torch.where(upper > 88.0, torch.inf, extreme) if maximum else extreme
 
 
 class Log(SmoothActivation):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import HUGE
 from lightning_fedshard.verify.ops.activation import Activation
 
 __all__ = ["Floor", "Sign"]
@@ -38,7 +37,7 @@ class Sign(Activation):
 
     def offset(self, slope, lower, upper, maximum):
         values = [torch.sign(lower) - slope * lower, torch.sign(upper) - slope * upper]
-        neither = torch.full_like(lower, HUGE if not maximum else -HUGE)  # a value that never wins
+        neither = torch.full_like(lower, torch.inf if not maximum else -torch.inf)  # a value that never wins
         zero_inside = (lower <= 0) & (upper >= 0)
         values.append(torch.where((lower < 0) & (upper >= 0), -1.0, neither))  # the limit from the left of 0
         values.append(torch.where(zero_inside, 0.0, neither))  # at 0
