@@ -24,7 +24,7 @@ class BabMode(str, Enum):
     """What branch-and-bound splits: neurons (``neuron``: ReLU phases, and the inputs of the other non-linear ops
     at chosen points; ``relu`` is accepted for it), the input box (``input``), or ``auto``: the input box when it
     has at most :attr:`VerifyConfig.input_split_max_dims` dimensions of non-zero width and the root bounds leave
-    more neurons to split than that, else neurons."""
+    more neurons to split than that or the graph has smooth operators, else neurons."""
 
     AUTO = "auto"
     NEURON = "neuron"
@@ -96,8 +96,8 @@ class VerifyConfig:
     method: Method = Method.BETA_CROWN
     #: Wall-clock budget in seconds for the whole instance (loading excluded); the answer is then ``timeout``.
     timeout: float = 120.0
-    #: PGD before bounding: restarts (restart 0 is the box centre; ``None``: 10,000 for boxes with at most
-    #: ``input_split_max_dims`` free dimensions, where random starts cover the box, else 50) and steps per
+    #: PGD before bounding: restarts (restart 0 is the box centre; ``None``: 10,000 for boxes with at most 20
+    #: free dimensions, where random starts cover the box, else 50) and steps per
     #: restart, stopped after ``attack_budget`` of the timeout (more attacks run inside branch-and-bound).
     attack_restarts: int | None = None
     attack_steps: int = 100
@@ -124,7 +124,7 @@ class VerifyConfig:
     refine_solve_limit: float = 2.0
     refine_workers: int = 1
     #: ``auto`` splits the input of networks with at most this many (non-degenerate) input dimensions.
-    input_split_max_dims: int = 20
+    input_split_max_dims: int = 40
     #: Input splitting: boxes bounded per round (small batches keep the union of unstable neurons, whose rows
     #: every box pays for, small), and beyond how many open boxes to give up (``unknown``).
     input_batch_size: int = 128

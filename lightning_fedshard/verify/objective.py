@@ -10,7 +10,17 @@ from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.spec import Case
 
-__all__ = ["OutputSpec", "box_tensor"]
+__all__ = ["OutputSpec", "box_tensor", "free_coordinates"]
+
+#: An input whose box is narrower than this (relative to its magnitude) is fixed: a VNN-LIB point value rounded
+#: outwards to float32 leaves a box one or two ulps wide.
+_FIXED_WIDTH = 1e-6
+
+
+def free_coordinates(box: Interval) -> Tensor:
+    """``[size]`` booleans: the flat inputs that vary in some box of the batch (wider than rounding)."""
+    lower, upper = box.lower.flatten(1), box.upper.flatten(1)
+    return ((upper - lower) > _FIXED_WIDTH * (1 + lower.abs() + upper.abs())).any(0)
 
 
 def box_tensor(

@@ -24,7 +24,7 @@ from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, V
 from lightning_fedshard.verify.device import resolve_device
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
-from lightning_fedshard.verify.objective import OutputSpec, box_tensor
+from lightning_fedshard.verify.objective import OutputSpec, box_tensor, free_coordinates
 from lightning_fedshard.verify.onnx_loader import UnsupportedModelError, load_onnx, onnx_source
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.result import VerificationResult
@@ -99,19 +99,22 @@ class _CaseAnswer:
 
 
 def _free_dims(box: Interval) -> int:
-    return int((box.upper > box.lower).sum())
+    return int(free_coordinates(box).sum())
 
 
 #: The most spec-row margins the first attack's steps compute (restarts × rows, 16 MiB in float32): a property of
 #: thousands of disjuncts gets fewer restarts, so that one step stays short enough to stop at the deadline (10,000
 #: restarts on 4,096 disjuncts of 12 rows took 47 s of a 5 s timeout).
 ATTACK_MARGINS = 1 << 22
+#: Boxes of at most this many free dimensions get 10,000 random starts, which then cover them (ACAS Xu 2_9/φ8 is
+#: found among them); in more dimensions random starts cover nothing and 50 do as well.
+_DENSE_ATTACK_DIMS = 20
 
 
 def _attack_restarts(config: VerifyConfig, box: Interval, spec: OutputSpec) -> int:
     if config.attack_restarts is not None:
         return config.attack_restarts
-    restarts = 10_000 if _free_dims(box) <= config.input_split_max_dims else 50
+    restarts = 10_000 if _free_dims(box) <= _DENSE_ATTACK_DIMS else 50
     return max(1, min(restarts, ATTACK_MARGINS // max(spec.num_rows, 1)))
 
 
@@ -155,14 +158,16 @@ def _refine(
     )
 
 
-def _bab_mode(config: VerifyConfig, box: Interval, unstable: int) -> BabMode:
-    """``config.bab``, with ``auto`` resolved: the input box when it has few free dimensions and the root leaves
-    more neurons to split than that (unstable ReLUs, the inputs of other non-linear ops: splitting them would take
-    more splits than splitting the box)."""
+def _bab_mode(config: VerifyConfig, graph: BoundGraph, box: Interval, unstable: int) -> BabMode:
+    """``config.bab``, with ``auto`` resolved: the input box when it has few free dimensions and either the root
+    leaves more neurons to split than that (unstable ReLUs, the inputs of other non-linear ops: splitting them would
+    take more splits than splitting the box) or the graph has smooth operators (whose splits only narrow their
+    relaxations, where a smaller box tightens all of them at once)."""
     if config.bab is not BabMode.AUTO:
         return config.bab
     free = _free_dims(box)
-    return BabMode.INPUT if free <= config.input_split_max_dims and unstable > free else BabMode.NEURON
+    few = free <= config.input_split_max_dims
+    return BabMode.INPUT if few and (unstable > free or not graph.exact_when_split) else BabMode.NEURON
 
 
 def _verify_case(
@@ -217,7 +222,7 @@ def _verify_case(
     if config.method is Method.CROWN or run.expired:
         return undecided(margins)
 
-    bab_mode = _bab_mode(config, box, int(open_neurons(graph, root_bounds).sum()))
+    bab_mode = _bab_mode(config, graph, box, int(open_neurons(graph, root_bounds).sum()))
 
     def alpha(reference: dict[str, Interval] | None = None) -> AlphaResult:
         return run.timed(

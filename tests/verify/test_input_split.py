@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify
+from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bab import input_split as split_module
 from lightning_fedshard.verify.bab import pieces as pieces_module
 from lightning_fedshard.verify.config import BabMode, InputBranching
@@ -153,17 +153,21 @@ def test_splitting_partitions_each_box():
     assert corners == {(0.0, 0.0, 0.0), (0.5, 0.0, 0.0), (0.0, 0.0, 2.0), (0.5, 0.0, 2.0)}
 
 
-def test_auto_splits_the_input_of_small_boxes_with_many_unstable_relus():
-    from lightning_fedshard.verify.ops import Interval
+def test_auto_splits_the_input_of_small_boxes_with_many_unstable_relus_or_smooth_operators():
+    from lightning_fedshard.verify.ops import Interval, Sigmoid
     from lightning_fedshard.verify.verifier import _bab_mode
 
     config = VerifyConfig()
+    relu_net = _random_net(0, 5)
+    sigmoid_net = BoundGraph([*relu_net.nodes[:2], Node("squash", Sigmoid(), (relu_net.nodes[1].name,), relu_net.nodes[1].shape)])
     five = Interval(torch.zeros(1, 5), torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]]))  # 4 free dimensions
-    assert _bab_mode(config, five, unstable=150) is BabMode.INPUT
-    assert _bab_mode(config, five, unstable=3) is BabMode.NEURON  # fewer ReLU splits than input dimensions
+    assert _bab_mode(config, relu_net, five, unstable=150) is BabMode.INPUT
+    assert _bab_mode(config, relu_net, five, unstable=3) is BabMode.NEURON  # fewer ReLU splits than input dimensions
+    assert _bab_mode(config, sigmoid_net, five, unstable=3) is BabMode.INPUT  # splits of smooth ops never end
     wide = Interval(torch.zeros(1, 784), torch.full((1, 784), 0.1))
-    assert _bab_mode(config, wide, unstable=150) is BabMode.NEURON
-    assert _bab_mode(VerifyConfig(bab="input"), wide, unstable=150) is BabMode.INPUT
+    assert _bab_mode(config, relu_net, wide, unstable=150) is BabMode.NEURON
+    assert _bab_mode(config, sigmoid_net, wide, unstable=150) is BabMode.NEURON
+    assert _bab_mode(VerifyConfig(bab="input"), relu_net, wide, unstable=150) is BabMode.INPUT
     small = _random_net(0, 3)
     prop, _ = _property(small, 3, safe=True)
     assert verify(small, prop, VerifyConfig(timeout=60)).bab_modes == ["input"]

@@ -58,6 +58,8 @@ _SB_COEFFICIENT_FLOOR = 1e-3
 _MIN_RELATIVE_WIDTH = 1e-7
 #: Clipped bounds move outwards by this fraction of the box width (float rounding must not cut a counterexample).
 _CLIP_SLACK = 1e-5
+#: trial: at most this many dimensions tried per round (the best by the sb score); ACAS Xu's 5 are all tried.
+_TRIAL_DIMS = 16
 #: PGD inside the search: the worst boxes attacked, and the steps each.
 _ATTACK_BOXES, _ATTACK_STEPS = 16, 20
 #: Boxes with few unstable ReLUs wait for a batch of this many before they are tried piece by piece (one β-CROWN
@@ -146,10 +148,14 @@ def _sb_scores(A: Tensor, margins: Tensor, boxes: _Boxes) -> Tensor:
     return gain.amax(0)
 
 
-def _trial_scores(graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable: Tensor) -> Tensor:
-    """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better)."""
+def _trial_scores(graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable: Tensor, sb: Tensor) -> Tensor:
+    """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better); of
+    more than ``_TRIAL_DIMS`` dimensions only those the *sb* scores ``sb`` rank first over the batch are tried."""
     n, d = boxes.lower.shape
     dims = splittable.any(0).nonzero().flatten()
+    if dims.numel() > _TRIAL_DIMS:
+        ranked = torch.where(splittable, sb, -torch.inf).amax(0)[dims]
+        dims = dims[ranked.topk(_TRIAL_DIMS).indices]
     every = torch.arange(n, device=dims.device).repeat(len(dims))
     halves = _split(boxes.take(every), dims.repeat_interleave(n).unsqueeze(1))
     interval = halves.interval(graph.input.shape)
@@ -295,10 +301,9 @@ def _branch(
     boxes, margins, A, wide = boxes.take(splittable), margins[splittable], A[:, splittable], wide[splittable]
     if not len(boxes):
         return None
-    if search.branching is InputBranching.SB:
-        scores = _sb_scores(A, margins, boxes)
-    else:
-        scores = _trial_scores(graph, spec, boxes, wide)
+    scores = _sb_scores(A, margins, boxes)
+    if search.branching is InputBranching.TRIAL:
+        scores = _trial_scores(graph, spec, boxes, wide, scores)
     scores = torch.where(wide, scores, -torch.inf)
     # Split along as many dimensions as keep the next batch within its size (at least one).
     k = max(1, min(int(math.log2(max(batch // len(boxes), 1))), int(wide.sum(1).min())))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph, Node
+from lightning_fedshard.verify.objective import free_coordinates
 from lightning_fedshard.verify.ops import Activation, Add, Concat, Interval, LinearOp
 
 __all__ = ["ForwardPass", "LinearFunctions", "forward_bounds"]
@@ -27,24 +28,35 @@ __all__ = ["ForwardPass", "LinearFunctions", "forward_bounds"]
 
 @dataclass(frozen=True)
 class LinearFunctions:
-    """``lower(x) ≤ v ≤ upper(x)`` for a node ``v`` over flat inputs ``x`` of size ``d``: each ``[B, d + 1, *shape]``,
-    rows ``0..d-1`` the coefficients of ``x``, row ``d`` the constant.
+    """``lower(z) ≤ v ≤ upper(z)`` for a node ``v`` over ``d`` coordinates ``z`` (the input's free ones): each
+    ``[B, d + 1, *shape]``, rows ``0..d-1`` the coefficients of ``z``, row ``d`` the constant.
 
     Example::
 
-        functions = LinearFunctions.identity(box)   # the input itself
-        interval = functions.concretize(box)
+        functions, coordinates = LinearFunctions.identity(box)   # the input itself, and its free coordinates
+        interval = functions.concretize(coordinates)
     """
 
     lower: Tensor
     upper: Tensor
 
     @classmethod
-    def identity(cls, box: Interval) -> LinearFunctions:
-        batch, d = box.lower.shape[0], box.lower[0].numel()
-        eye = torch.eye(d + 1, d, dtype=box.lower.dtype, device=box.lower.device)
-        rows = eye.expand(batch, d + 1, d).reshape(batch, d + 1, *box.lower.shape[1:])
-        return cls(rows, rows)
+    def identity(cls, box: Interval) -> tuple[LinearFunctions, Interval]:
+        """The input as functions of its free coordinates (those of non-zero width in some box of the batch; the
+        others are constants of the functions: a box of 96 inputs of which 32 vary carries 33 rows, not 97), and
+        the box of those coordinates ``[B, d]``."""
+        batch, size = box.lower.shape[0], box.lower[0].numel()
+        lower, upper = box.lower.reshape(batch, size), box.upper.reshape(batch, size)
+        varies = free_coordinates(box)
+        free = varies.nonzero().flatten()
+        d = free.numel()
+        rows = lower.new_zeros(batch, d + 1, size)
+        rows[:, torch.arange(d, device=free.device), free] = 1
+        below, above = rows.clone(), rows
+        below[:, d] = torch.where(varies, 0, lower)  # a fixed input is a constant between its (ulp-wide) bounds
+        above[:, d] = torch.where(varies, 0, upper)
+        shape = (batch, d + 1, *box.lower.shape[1:])
+        return cls(below.reshape(shape), above.reshape(shape)), Interval(lower[:, free], upper[:, free])
 
     @classmethod
     def constant(cls, interval: Interval, d: int) -> LinearFunctions:
@@ -55,7 +67,8 @@ class LinearFunctions:
         )
 
     def concretize(self, box: Interval) -> Interval:
-        """The range of the functions over ``box``: ``min lower``, ``max upper`` per element."""
+        """The range of the functions over the coordinates' ``box`` ``[B, d]``: ``min lower``, ``max upper`` per
+        element."""
         batch = box.lower.shape[0]
         center, radius = box.center.reshape(batch, -1, 1), box.radius.reshape(batch, -1, 1)
         d = center.shape[1]
@@ -102,9 +115,9 @@ def _through_activation(op: Activation, functions: LinearFunctions, pre: Interva
     )
 
 
-def _through_concat(op: Concat, sources: list[LinearFunctions], box: Interval) -> LinearFunctions:
+def _through_concat(op: Concat, sources: list[LinearFunctions], d: int) -> LinearFunctions:
     """The pieces joined along the op's axis (a constant piece is a constant function)."""
-    batch, d = box.lower.shape[0], box.lower[0].numel()
+    batch = sources[0].lower.shape[0]
     computed = iter(sources)
     lower, upper = [], []
     for part in op.parts:
@@ -133,14 +146,15 @@ class ForwardPass:
 
     def __init__(self, box: Interval) -> None:
         self.box = box
-        self.d = box.lower[0].numel()
+        self.identity, self.coordinates = LinearFunctions.identity(box)
+        self.d = self.coordinates.lower.shape[1]
         self.functions: dict[str, LinearFunctions] = {}
 
     def tighten(self, node: Node, interval: Interval, bounds: Mapping[str, Interval]) -> Interval:
         """``interval`` (valid bounds of ``node``) intersected with the range of its forward functions; ``bounds``
         holds the bounds of every node before it."""
         if node.op is None:
-            self.functions[node.name] = LinearFunctions.identity(self.box)
+            self.functions[node.name] = self.identity
             return interval
         op, sources = node.op, [self.functions[name] for name in node.inputs]
         if isinstance(op, LinearOp):
@@ -153,14 +167,14 @@ class ForwardPass:
                 else LinearFunctions(a.lower + b.lower, a.upper + b.upper)
             )
         elif isinstance(op, Concat):
-            mapped = _through_concat(op, sources, self.box)
+            mapped = _through_concat(op, sources, self.d)
         elif isinstance(op, Activation):
             mapped = _through_activation(op, sources[0], bounds[node.inputs[0]])
         else:  # no forward rule: constant functions of its interval
             self.functions[node.name] = LinearFunctions.constant(interval, self.d)
             return interval
         self.functions[node.name] = mapped
-        linear = mapped.concretize(self.box)
+        linear = mapped.concretize(self.coordinates)
         return Interval(torch.maximum(interval.lower, linear.lower), torch.minimum(interval.upper, linear.upper))
 
 
