@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,93 +14,22 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.onnx_loader import OnnxLoadError, UnsupportedModelError, load_onnx, onnx_source
-from lightning_fedshard.verify.ops import Add, AvgPool2d, BatchNorm, Conv2d, Linear, LinearOp, ReLU, Reshape
+from lightning_fedshard.verify.onnx_loader import OnnxLoadError, UnsupportedModelError, load_onnx
+from lightning_fedshard.verify.ops import Add, AvgPool2d, BatchNorm, Conv2d, Linear, ReLU, Reshape
+from tests.verify.onnx_models import (
+    check_adjoint,
+    check_against_onnxruntime,
+    export,
+    hand_built,
+    onnx_ops,
+    our_ops,
+    weights,
+)
 
 ort = pytest.importorskip("onnxruntime")
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mnist_fc_2022"
 ACASXU = MNIST.parent / "acasxu_2022"
-
-
-def _reference(path: Path, x: np.ndarray) -> np.ndarray:
-    """onnxruntime's output for each row of ``x`` (the exported graphs have a fixed batch of 1)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    session = ort.InferenceSession(onnx_source(path), options, providers=["CPUExecutionProvider"])
-    (value,) = session.get_inputs()
-    shape = [d if isinstance(d, int) else 1 for d in value.shape]  # the graph's rows are single ONNX inputs
-    return np.stack([session.run(None, {value.name: row.reshape(shape)})[0] for row in x])
-
-
-def _check_against_onnxruntime(path: Path, n: int, low: float = -1.0, seed: int = 0) -> BoundGraph:
-    graph = load_onnx(path)
-    x = np.random.default_rng(seed).uniform(low, 1.0, (n, *graph.input.shape)).astype(np.float32)
-    ours = graph(torch.from_numpy(x)).numpy()
-    expected = _reference(path, x)
-    assert ours.shape[1:] == graph.output.shape
-    assert ours.reshape(expected.shape) == pytest.approx(expected, abs=1e-5, rel=1e-6)
-    return graph
-
-
-def _check_adjoint(graph: BoundGraph) -> None:
-    """Every LinearOp's transpose must be its adjoint on the real node shapes (batch 2, 3 specification rows)."""
-    generator = torch.Generator().manual_seed(0)
-    for node in graph.nodes[1:]:
-        if not isinstance(node.op, LinearOp):
-            continue
-        (source,) = (graph.by_name[name] for name in node.inputs)
-        x = torch.randn(2, *source.shape, generator=generator, dtype=torch.float64)
-        A = torch.randn(3, 2, *node.shape, generator=generator, dtype=torch.float64)
-        lhs = (A * node.op.linear(x)).sum()
-        transposed = node.op.transpose(A)
-        assert transposed.shape == (3, 2, *source.shape), node.name
-        rhs = (transposed * x).sum()
-        assert float(lhs) == pytest.approx(float(rhs), rel=1e-4, abs=1e-8), f"{node.name}: {node.op!r}"
-
-
-def _export(model: nn.Module, shape: tuple[int, ...], path: Path) -> Path:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
-        torch.onnx.export(
-            model.eval(),
-            torch.zeros(1, *shape),
-            str(path),
-            opset_version=13,
-            dynamo=False,
-            training=torch.onnx.TrainingMode.PRESERVE,
-            do_constant_folding=False,
-        )
-    return path
-
-
-def _onnx_ops(path: Path) -> list[str]:
-    return [node.op_type for node in onnx.load(str(path)).graph.node]
-
-
-def _our_ops(graph: BoundGraph) -> set[type]:
-    return {type(node.op) for node in graph.nodes[1:]}
-
-
-def _hand_built(
-    path: Path,
-    nodes: list[onnx.NodeProto],
-    in_shape: list[int],
-    initializers: dict[str, np.ndarray] | None = None,
-    extra_inputs: tuple[onnx.ValueInfoProto, ...] = (),
-) -> Path:
-    """A one-input one-output float model ``x -> ... -> y`` (``y``'s shape left to ONNX shape inference)."""
-    inits = [numpy_helper.from_array(value, name) for name, value in (initializers or {}).items()]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape), *extra_inputs],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        inits,
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
-    return path
 
 
 # --------------------------------------------------------------------------- mnist_fc (VNN-COMP 2022)
@@ -112,7 +40,7 @@ def test_mnist_nets_match_onnxruntime(depth: int) -> None:
     path = MNIST / "onnx" / f"mnist-net_256x{depth}.onnx"
     if not path.exists():
         pytest.skip(f"{path} is not available")
-    graph = _check_against_onnxruntime(path, 64, low=0.0)
+    graph = check_against_onnxruntime(path, 64, low=0.0)
     assert graph.input.name == "0" and graph.input.shape == (784, 1)
     assert [type(node.op) for node in graph.nodes[1:]] == [Reshape] + [Linear, ReLU] * depth + [Linear]
     assert graph.output.name == onnx.load(str(path)).graph.output[0].name and graph.output.shape == (10,)
@@ -170,20 +98,20 @@ class _ResNet(nn.Module):
 @pytest.fixture(scope="module")
 def resnet_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    return _export(_ResNet(), (3, 16, 16), tmp_path_factory.mktemp("resnet") / "resnet.onnx")
+    return export(_ResNet(), (3, 16, 16), tmp_path_factory.mktemp("resnet") / "resnet.onnx")
 
 
 def test_resnet_matches_onnxruntime(resnet_path: Path) -> None:
-    onnx_ops = _onnx_ops(resnet_path)
-    assert {"BatchNormalization", "Add", "Sub", "Div", "Conv", "AveragePool", "Flatten", "Gemm"} <= set(onnx_ops)
-    graph = _check_against_onnxruntime(resnet_path, 32)
-    assert {BatchNorm, Add, Conv2d, AvgPool2d, Linear, ReLU, Reshape} <= _our_ops(graph)
+    exported = onnx_ops(resnet_path)
+    assert {"BatchNormalization", "Add", "Sub", "Div", "Conv", "AveragePool", "Flatten", "Gemm"} <= set(exported)
+    graph = check_against_onnxruntime(resnet_path, 32)
+    assert {BatchNorm, Add, Conv2d, AvgPool2d, Linear, ReLU, Reshape} <= our_ops(graph)
     assert graph.input.shape == (3, 16, 16) and graph.output.shape == (10,)
-    assert sum(isinstance(node.op, BatchNorm) for node in graph.nodes) == onnx_ops.count("BatchNormalization")
+    assert sum(isinstance(node.op, BatchNorm) for node in graph.nodes) == exported.count("BatchNormalization")
 
 
 def test_resnet_transposes_are_adjoints(resnet_path: Path) -> None:
-    _check_adjoint(load_onnx(resnet_path, dtype=torch.float64))
+    check_adjoint(load_onnx(resnet_path, dtype=torch.float64))
 
 
 # --------------------------------------------------------------------------- tiny exported models
@@ -217,11 +145,11 @@ EXPORTED = {
 def test_exported_model_matches_onnxruntime(name: str, tmp_path: Path) -> None:
     factory, shape = EXPORTED[name]
     torch.manual_seed(0)
-    path = _export(factory(), shape, tmp_path / f"{name}.onnx")
+    path = export(factory(), shape, tmp_path / f"{name}.onnx")
     expected_op = {"matmul": "MatMul", "global_avgpool": "GlobalAveragePool", "view_flatten": "Concat"}.get(name)
-    assert expected_op is None or expected_op in _onnx_ops(path)
-    graph = _check_against_onnxruntime(path, 16)
-    _check_adjoint(load_onnx(path, dtype=torch.float64))
+    assert expected_op is None or expected_op in onnx_ops(path)
+    graph = check_against_onnxruntime(path, 16)
+    check_adjoint(load_onnx(path, dtype=torch.float64))
     if name == "matmul":
         assert [type(node.op) for node in graph.nodes[1:]] == [Linear, ReLU, Linear]
 
@@ -229,23 +157,19 @@ def test_exported_model_matches_onnxruntime(name: str, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- hand-built graphs
 
 
-def _weights(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
 HAND_BUILT = {
     # W @ x over the second-to-last dimension (mnist_fc's input is [1, 784, 1]).
-    "left_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], [1, 3, 2], {"w": _weights(4, 3)}),
+    "left_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], [1, 3, 2], {"w": weights(4, 3)}),
     "matmul_then_bias": (
         [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
         [1, 3],
-        {"w": _weights(3, 4), "b": _weights(4, seed=1)},
+        {"w": weights(3, 4), "b": weights(4, seed=1)},
     ),
     # torch only exports symmetric pads; ONNX's (top, left, bottom, right) = (0, 0, 1, 1) with stride 2.
     "asymmetric_pad_conv": (
         [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[0, 0, 1, 1], strides=[2, 2])],
         [1, 2, 6, 6],
-        {"w": _weights(3, 2, 3, 3), "b": _weights(3, seed=1)},
+        {"w": weights(3, 2, 3, 3), "b": weights(3, seed=1)},
     ),
     # ceil_mode's last window would start in the padding: onnxruntime and torch drop it (onnx's shape inference
     # does not); the graph must follow onnxruntime.
@@ -273,11 +197,11 @@ HAND_BUILT = {
     "gemm_alpha_beta": (
         [helper.make_node("Gemm", ["x", "w", "c"], ["y"], alpha=0.5, beta=2.0)],
         [1, 4],
-        {"w": _weights(4, 3), "c": _weights(1, 3, seed=1)},
+        {"w": weights(4, 3), "c": weights(1, 3, seed=1)},
     ),
     "constant_arithmetic": (
         [
-            helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(_weights(3, 1, 1, seed=2))),
+            helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(weights(3, 1, 1, seed=2))),
             helper.make_node("Sub", ["k", "x"], ["a"]),
             helper.make_node("Div", ["a", "s"], ["b"]),
             helper.make_node("Mul", ["s", "b"], ["c"]),
@@ -285,14 +209,14 @@ HAND_BUILT = {
             helper.make_node("Add", ["d", "row"], ["y"]),  # broadcasts [1, 3, 1, 2] up to [1, 3, 4, 2]
         ],
         [1, 3, 1, 2],
-        {"s": np.float32([0.5, -2.0, 4.0]).reshape(3, 1, 1), "row": _weights(1, 4, 1, seed=3)},
+        {"s": np.float32([0.5, -2.0, 4.0]).reshape(3, 1, 1), "row": weights(1, 4, 1, seed=3)},
     ),
     # Formerly refused, now graphs without a batch dimension or with computed products: x·x is the square, 1/x a
     # reciprocal, W [4, 1] @ x [1, 4] an outer product, transA a transpose, [1, 4] → [4] a graph without batch.
     "square": ([helper.make_node("Mul", ["x", "x"], ["y"])], [1, 4], {}),
     "constant_over_x": ([helper.make_node("Div", ["one", "x"], ["y"])], [1, 4], {"one": np.float32([1.0])}),
-    "outer_product_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], [1, 4], {"w": _weights(4, 1)}),
-    "transposed_gemm_input": ([helper.make_node("Gemm", ["x", "w"], ["y"], transA=1)], [1, 4], {"w": _weights(1, 2)}),
+    "outer_product_matmul": ([helper.make_node("MatMul", ["w", "x"], ["y"])], [1, 4], {"w": weights(4, 1)}),
+    "transposed_gemm_input": ([helper.make_node("Gemm", ["x", "w"], ["y"], transA=1)], [1, 4], {"w": weights(1, 2)}),
     "batch_merging_reshape": ([helper.make_node("Reshape", ["x", "s"], ["y"])], [1, 4], {"s": np.int64([-1])}),
     "shape_gather_chain": (
         [
@@ -315,41 +239,41 @@ HAND_BUILT = {
 @pytest.mark.parametrize("name", HAND_BUILT)
 def test_hand_built_graph_matches_onnxruntime(name: str, tmp_path: Path) -> None:
     nodes, shape, initializers = HAND_BUILT[name]
-    path = _hand_built(tmp_path / f"{name}.onnx", nodes, shape, initializers)
-    graph = _check_against_onnxruntime(path, 16, low=0.5 if name == "constant_over_x" else -1.0)
-    _check_adjoint(load_onnx(path, dtype=torch.float64))
+    path = hand_built(tmp_path / f"{name}.onnx", nodes, shape, initializers)
+    graph = check_against_onnxruntime(path, 16, low=0.5 if name == "constant_over_x" else -1.0)
+    check_adjoint(load_onnx(path, dtype=torch.float64))
     assert graph.output.name == "y"
 
 
 def test_initializers_listed_as_inputs_are_skipped(tmp_path: Path) -> None:
     weight = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4])
-    path = _hand_built(
-        tmp_path / "old.onnx", [helper.make_node("MatMul", ["x", "w"], ["y"])], [1, 3], {"w": _weights(3, 4)}, (weight,)
+    path = hand_built(
+        tmp_path / "old.onnx", [helper.make_node("MatMul", ["x", "w"], ["y"])], [1, 3], {"w": weights(3, 4)}, (weight,)
     )
-    graph = _check_against_onnxruntime(path, 4)
+    graph = check_against_onnxruntime(path, 4)
     assert graph.input.name == "x" and graph.input.shape == (3,)
 
 
 def test_a_matmul_and_its_bias_become_one_layer(tmp_path: Path) -> None:
     nodes, shape, initializers = HAND_BUILT["matmul_then_bias"]
-    graph = load_onnx(_hand_built(tmp_path / "dense.onnx", nodes, shape, initializers))
+    graph = load_onnx(hand_built(tmp_path / "dense.onnx", nodes, shape, initializers))
     (layer,) = graph.nodes[1:]
     assert isinstance(layer.op, Linear) and layer.name == "y"
     torch.testing.assert_close(layer.op.bias, torch.from_numpy(initializers["b"]))
     # A product that something else reads too keeps its own node.
     shared = [*nodes, helper.make_node("Add", ["m", "y"], ["z"])]
-    path = _hand_built(tmp_path / "shared.onnx", shared, shape, initializers)
+    path = hand_built(tmp_path / "shared.onnx", shared, shape, initializers)
     model = onnx.load(path)
     model.graph.output[0].name = "z"
     onnx.save(model, path)
-    graph = _check_against_onnxruntime(path, 8)
+    graph = check_against_onnxruntime(path, 8)
     assert [node.name for node in graph.nodes[1:]] == ["m", "y", "z"]
 
 
 def test_a_symbolic_batch_dimension_is_the_batch(tmp_path: Path) -> None:
     nodes, _, initializers = HAND_BUILT["matmul_then_bias"]
-    path = _hand_built(tmp_path / "symbolic.onnx", nodes, ["N", 3], initializers)
-    graph = _check_against_onnxruntime(path, 8)
+    path = hand_built(tmp_path / "symbolic.onnx", nodes, ["N", 3], initializers)
+    graph = check_against_onnxruntime(path, 8)
     assert graph.input.shape == (3,)
 
 
@@ -358,7 +282,7 @@ def test_a_symbolic_batch_dimension_is_the_batch(tmp_path: Path) -> None:
 def test_acasxu_matlab_exports_match_onnxruntime(net: str) -> None:
     # gzipped, opset 8, weights listed among the graph inputs, Sub normalisation, MatMul then Add per layer
     path = ACASXU / "onnx" / f"ACASXU_run2a_{net}_batch_2000.onnx.gz"
-    graph = _check_against_onnxruntime(path, 32, low=-0.5)
+    graph = check_against_onnxruntime(path, 32, low=-0.5)
     assert [type(node.op).__name__ for node in graph.nodes[1:]].count("Linear") == 7  # each bias folded in
 
 
@@ -397,14 +321,14 @@ ERRORS = {
 @pytest.mark.parametrize("name", ERRORS)
 def test_load_errors_name_the_problem(name: str, tmp_path: Path) -> None:
     nodes, initializers, message = ERRORS[name]
-    path = _hand_built(tmp_path / f"{name}.onnx", nodes, [1, 4], initializers)
+    path = hand_built(tmp_path / f"{name}.onnx", nodes, [1, 4], initializers)
     with pytest.raises(OnnxLoadError, match=message):
         load_onnx(path)
 
 
 def test_auto_pad_same_is_rejected(tmp_path: Path) -> None:
     node = helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER", name="conv0")
-    path = _hand_built(tmp_path / "same.onnx", [node], [1, 1, 5, 5], {"w": _weights(1, 1, 3, 3)})
+    path = hand_built(tmp_path / "same.onnx", [node], [1, 1, 5, 5], {"w": weights(1, 1, 3, 3)})
     with pytest.raises(OnnxLoadError, match="conv0.*auto_pad=SAME_UPPER"):
         load_onnx(path)
 
@@ -412,7 +336,7 @@ def test_auto_pad_same_is_rejected(tmp_path: Path) -> None:
 def test_unsupported_models_are_told_apart_from_broken_files(tmp_path: Path) -> None:
     nodes, initializers, _ = ERRORS["unsupported"]
     with pytest.raises(UnsupportedModelError, match="Erf"):
-        load_onnx(_hand_built(tmp_path / "erf.onnx", nodes, [1, 4], initializers))
+        load_onnx(hand_built(tmp_path / "erf.onnx", nodes, [1, 4], initializers))
     garbage = tmp_path / "garbage.onnx"
     garbage.write_bytes(b"\x00\x01")
     with pytest.raises(OnnxLoadError) as error:
@@ -422,7 +346,7 @@ def test_unsupported_models_are_told_apart_from_broken_files(tmp_path: Path) -> 
 
 def test_two_inputs_are_rejected(tmp_path: Path) -> None:
     second = helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])
-    path = _hand_built(tmp_path / "two.onnx", [helper.make_node("Add", ["x", "z"], ["y"])], [1, 4], {}, (second,))
+    path = hand_built(tmp_path / "two.onnx", [helper.make_node("Add", ["x", "z"], ["y"])], [1, 4], {}, (second,))
     with pytest.raises(OnnxLoadError, match="2 inputs"):
         load_onnx(path)
 
@@ -450,7 +374,7 @@ def test_garbage_and_missing_files(tmp_path: Path) -> None:
 )
 def test_a_non_finite_weight_is_rejected_at_load_time(weight, message, tmp_path: Path) -> None:
     # A NaN weight made every bound NaN, and the instance came out unsat: a proof of nothing.
-    path = _hand_built(tmp_path / "nan.onnx", [helper.make_node("MatMul", ["x", "w"], ["y"])], [1, 2], {"w": weight})
+    path = hand_built(tmp_path / "nan.onnx", [helper.make_node("MatMul", ["x", "w"], ["y"])], [1, 2], {"w": weight})
     with pytest.raises(OnnxLoadError, match=f"^{path}: {message}") as error:
         load_onnx(path)
     assert not isinstance(error.value, UnsupportedModelError)
