@@ -25,7 +25,7 @@ from lightning_fedshard.verify.memory import tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Linear, ReLU, Reshape
 
-__all__ = ["as_sequential", "auto_lirpa_peaks"]
+__all__ = ["as_sequential", "auto_lirpa_bounds", "auto_lirpa_peaks"]
 
 
 def as_sequential(graph: BoundGraph) -> nn.Sequential:
@@ -76,4 +76,30 @@ def auto_lirpa_peaks(graph: BoundGraph, prop: Property, alpha_iterations: int) -
         out[f"{key}_peak"], out[f"{key}_time"] = meter.peak_bytes, time.monotonic() - start
         if key == "crown":
             out["crown_margins"] = (bound[0] - spec.rhs).tolist()
+    return out
+
+
+def auto_lirpa_bounds(
+    model: nn.Module, lower: torch.Tensor, upper: torch.Tensor, alpha_iterations: int
+) -> dict[str, tuple[list[float], list[float]] | str]:
+    """auto_LiRPA's IBP, CROWN and α-CROWN (``alpha_iterations`` steps, lr 0.1, no early stop, each side optimised
+    on its own) bounds ``(lower, upper)`` of ``model``'s outputs over the box ``[lower, upper]`` (``[1, inputs]``,
+    for ``fedshard bench operators``); a method auto_LiRPA cannot run on the model maps to its error message."""
+    from auto_LiRPA import BoundedModule, BoundedTensor, PerturbationLpNorm
+
+    methods = {"ibp": "IBP", "crown": "CROWN", "alpha-crown": "CROWN-Optimized"}
+    options = {"optimize_bound_args": {"iteration": alpha_iterations, "lr_alpha": 0.1, "early_stop_patience": 10**6}}
+    try:
+        bounded = BoundedModule(model, torch.zeros_like(lower), options, device="cpu")
+    except Exception as error:  # noqa: BLE001 (an operator it has no bound class for, among others)
+        return dict.fromkeys(methods, f"{type(error).__name__}: {error}")
+    x = BoundedTensor((lower + upper) / 2, PerturbationLpNorm(norm=float("inf"), x_L=lower, x_U=upper))
+    out: dict[str, tuple[list[float], list[float]] | str] = {}
+    for key, method in methods.items():
+        try:
+            with torch.set_grad_enabled(method == "CROWN-Optimized"):
+                low, high = bounded.compute_bounds(x=(x,), method=method)
+            out[key] = (low[0].tolist(), high[0].tolist())
+        except Exception as error:  # noqa: BLE001 (assertions and many other types for bounds it cannot compute)
+            out[key] = f"{type(error).__name__}: {error}"
     return out

@@ -29,6 +29,10 @@ from lightning_fedshard.verify.ops.patches import Patches
 
 __all__ = ["Activation", "Lines", "bias_term", "float64_interval"]
 
+#: Golden-section steps of CROWN's slope search: the bracket shrinks to 0.618¹⁶ ≈ 5e-4 of the slope range.
+_GOLDEN_STEPS = 16
+_GOLDEN = (5**0.5 - 1) / 2
+
 #: Relative slack added to every float64 extreme before it is rounded to the working dtype: float64's own rounding
 #: in evaluating ``f`` and the products (a few ulps of float64), far below one ulp of float32.
 _FLOAT64_SLACK = 1e-12
@@ -80,6 +84,23 @@ def bias_term(A: Tensor | Patches, bias: Tensor) -> Tensor:
     term = contract(dense, torch.where(infinite, 0, bias))
     touched = ((dense != 0) & infinite).flatten(2).any(-1)
     return torch.where(touched, -torch.inf, term)
+
+
+def _golden_section(objective, low: Tensor, high: Tensor) -> Tensor:
+    """Element-wise argmax over ``[low, high]`` of a concave ``objective`` (float64 tensors), by golden sections:
+    interior points ``c < d``; the maximum lies in ``[a, d]`` if ``f(c) > f(d)``, else in ``[c, b]``."""
+    a, b = low, high
+    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
+    fc, fd = objective(c), objective(d)
+    for _ in range(_GOLDEN_STEPS):
+        left = fc > fd
+        a, b = torch.where(left, a, c), torch.where(left, d, b)
+        kept, kept_value = torch.where(left, c, d), torch.where(left, fc, fd)  # the new d (left) or c (right)
+        probe = torch.where(left, b - _GOLDEN * (b - a), a + _GOLDEN * (b - a))
+        value = objective(probe)
+        c, fc = torch.where(left, probe, kept), torch.where(left, value, kept_value)
+        d, fd = torch.where(left, kept, probe), torch.where(left, kept_value, value)
+    return torch.where(fc > fd, c, d)
 
 
 class Activation(BoundOp):
@@ -135,14 +156,16 @@ class Activation(BoundOp):
         clamped to [0, 1]) places in :meth:`slope_range`."""
         lower, upper, unbounded = float64_interval(pre)
         low, high = self.slope_range(lower, upper)
-        lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high)
-        if alpha is not None:
+        if alpha is None:
+            lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high)
+        elif self.alpha_per_neuron == 1:
             alpha = alpha.double().clamp(0, 1)
-            if self.alpha_per_neuron == 1:
-                lower_slope = low + alpha * (high - low)
-            else:
-                lower_slope = low + alpha[:, :, 0] * (high - low)
-                upper_slope = low + alpha[:, :, 1] * (high - low)
+            lower_slope = low + alpha * (high - low)
+            (upper_slope,) = self._chosen_slopes(lower, upper, low, high, sides=(True,))
+        else:
+            alpha = alpha.double().clamp(0, 1)
+            lower_slope = low + alpha[:, :, 0] * (high - low)
+            upper_slope = low + alpha[:, :, 1] * (high - low)
         return self.lines(lower_slope, upper_slope, lower, upper, unbounded, pre.lower.dtype)
 
     def lines(
@@ -168,15 +191,39 @@ class Activation(BoundOp):
         above = torch.where(unbounded, torch.inf, above)
         return Lines(lower_slope, round_down(below, dtype), upper_slope, round_up(above, dtype))
 
-    def _chosen_slopes(self, lower: Tensor, upper: Tensor, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
-        """Per neuron, the candidate slope whose lower (upper) line is highest (lowest) at the midpoint."""
-        slopes = torch.stack([s.clamp(low, high) for s in self.candidate_slopes(lower, upper)])
+    def _chosen_slopes(
+        self,
+        lower: Tensor,
+        upper: Tensor,
+        low: Tensor,
+        high: Tensor,
+        sides: tuple[bool, ...] = (False, True),
+        search: bool = True,
+    ) -> tuple[Tensor, ...]:
+        """Per neuron, the slope whose lower (upper) line is highest (lowest) at the interval's midpoint: the line of
+        largest (smallest) integral over it, CROWN's choice. That height, ``slope·m + offset(slope)``, is a minimum
+        (maximum) of functions affine in the slope, so concave (convex) in it: a golden-section search over the
+        slope range finds its best; the candidate slopes (the ends', the kinks', the secant) win where the search's
+        precision falls short (ranges of 10¹² near a square root's 0). ``sides``: which slopes, ``False`` for the
+        lower line's and ``True`` for the upper's; without ``search`` the best candidate (an estimate, 18x cheaper)."""
         middle = (lower + upper) / 2
-        below = slopes * middle + self.offset(slopes, lower, upper, maximum=False)
-        above = slopes * middle + self.offset(slopes, lower, upper, maximum=True)
-        lower_slope = slopes.gather(0, below.argmax(0, keepdim=True))[0]
-        upper_slope = slopes.gather(0, above.argmin(0, keepdim=True))[0]
-        return lower_slope, upper_slope
+
+        def height(slope: Tensor, maximum: bool) -> Tensor:
+            return slope * middle + self.offset(slope, lower, upper, maximum=maximum)
+
+        slopes = torch.stack([s.clamp(low, high) for s in self.candidate_slopes(lower, upper)])
+        chosen = []
+        for maximum in sides:
+            sign = -1 if maximum else 1  # maximise sign·height
+            heights = sign * height(slopes, maximum)
+            best = slopes.gather(0, heights.argmax(0, keepdim=True))[0]
+            if not search:
+                chosen.append(best)
+                continue
+            searched = _golden_section(lambda slope, m=maximum, s=sign: s * height(slope, m), low, high)
+            better = sign * height(searched, maximum) > heights.amax(0)
+            chosen.append(torch.where(better, searched, best))
+        return tuple(chosen)
 
     # -- the BoundOp contract ----------------------------------------------------------------------------------
 
@@ -242,14 +289,26 @@ class Activation(BoundOp):
         best = (left + right).argmin(0, keepdim=True)
         return points.gather(0, best)[0].to(pre.lower.dtype)
 
-    def _gap_area(self, lower: Tensor, upper: Tensor) -> Tensor:
-        """``∫ (U − L)`` over ``[lower, upper]`` for CROWN's lines there (float64): the looseness a child keeps."""
+    def _estimated_lines(self, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(a_L, b_L, a_U, b_U)`` in float64: CROWN's lines over ``[lower, upper]`` among the candidate slopes only
+        (no search), for the branching estimates, which relax every neuron at several candidate splits."""
         low, high = self.slope_range(lower, upper)
-        lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high)
+        lower_slope, upper_slope = self._chosen_slopes(lower, upper, low, high, search=False)
+        below = self.offset(lower_slope, lower, upper, maximum=False)
+        above = self.offset(upper_slope, lower, upper, maximum=True)
+        return lower_slope, below, upper_slope, above
+
+    def _gap_area(self, lower: Tensor, upper: Tensor) -> Tensor:
+        """``∫ (U − L)`` over ``[lower, upper]`` for CROWN's (estimated) lines there: the looseness a child keeps."""
+        lower_slope, below, upper_slope, above = self._estimated_lines(lower, upper)
         middle = (lower + upper) / 2
-        below = lower_slope * middle + self.offset(lower_slope, lower, upper, maximum=False)
-        above = upper_slope * middle + self.offset(upper_slope, lower, upper, maximum=True)
-        return (above - below) * (upper - lower)
+        return ((upper_slope - lower_slope) * middle + above - below) * (upper - lower)
+
+    def _largest_gap(self, lower: Tensor, upper: Tensor) -> Tensor:
+        """The largest ``U − L`` over ``[lower, upper]`` for CROWN's (estimated) lines there (at an end)."""
+        lower_slope, below, upper_slope, above = self._estimated_lines(lower, upper)
+        slope, bias = upper_slope - lower_slope, above - below
+        return torch.maximum(slope * lower + bias, slope * upper + bias)
 
     def branch_gain(self, A_out: Tensor, inputs: Sequence[Interval], index: int, bias: Tensor | None) -> Tensor:
         """``[S, N, *shape]``: the estimated rise of each bounded row's lower bound from splitting each neuron of
@@ -257,8 +316,9 @@ class Activation(BoundOp):
         the split removes (the gap of the wider half is what is left). ``bias`` (the constant of the layer that
         computed the input) is for the ReLU score, which uses it."""
         pre = inputs[index]
-        point = self.split_point(inputs, index)
-        before = self.relax(pre).gap(pre)
-        halves = [Interval(pre.lower, point), Interval(point, pre.upper)]
-        after = torch.maximum(*(self.relax(half).gap(half) for half in halves))
-        return A_out.abs() * (before - after).clamp(min=0)
+        lower, upper, unbounded = float64_interval(pre)
+        point = self.split_point(inputs, index).double().clamp(lower, upper)
+        before = self._largest_gap(lower, upper)
+        after = torch.maximum(self._largest_gap(lower, point), self._largest_gap(point, upper))
+        gain = torch.where(unbounded, 0, (before - after).clamp(min=0)).to(pre.lower.dtype)
+        return A_out.abs() * gain

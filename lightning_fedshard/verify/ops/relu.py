@@ -203,6 +203,16 @@ class LeakyReLU(PiecewiseLinear):
     def forward(self, x: Tensor) -> Tensor:
         return torch.where(x >= 0, x, x * self.negative_slope)
 
+    def _chosen_slopes(self, lower, upper, low, high, sides=(False, True), search=True):
+        chosen = super()._chosen_slopes(lower, upper, low, high, sides, search)
+        if self.negative_slope >= 0:
+            return chosen
+        # A V (Abs) across its kink: below, the flat line through its minimum, as auto_LiRPA takes. The sloped line
+        # of the piece the midpoint is in has the larger integral, but carries the slope backwards: on ``fedshard
+        # bench operators`` CROWN's bound is 1.3x wider with it; α-CROWN still tries every slope.
+        straddling = (lower < 0) & (upper > 0)
+        return tuple(s if maximum else torch.where(straddling, 0, s) for s, maximum in zip(chosen, sides, strict=True))
+
     def __repr__(self) -> str:
         return "Abs" if self.negative_slope == -1 else f"LeakyReLU({self.negative_slope:g})"
 
