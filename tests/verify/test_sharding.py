@@ -51,7 +51,13 @@ def four_ranks(tmp_path_factory) -> list[dict]:
     return _launch(tmp_path_factory, 4, False, ["fsdp", "rows", "fsdp+rows"])
 
 
-CASES = ["256x2_bab", "256x2_sat", "256x4", "resnet"]
+CASES = ["256x2_bab", "256x2_sat", "256x4", "resnet", "general"]
+#: The cases the whole verifier runs on (root bounds, then branch-and-bound where needed).
+SEARCHED = ["256x2_bab", "256x2_sat", "resnet", "general"]
+#: α-CROWN over smooth operators is chaotic in the last bits: Adam normalises gradients that are almost zero, so a
+#: one-ulp wider box moves the general case's 8-iteration bound by 1e-3 in a single process too. Row-parallel
+#: α-CROWN there (rows summed in another order) is checked for soundness and against CROWN instead of for equality.
+CHAOTIC_ALPHA = ["general"]
 ROOT_FIELDS = ("ibp", "crown", "pre", "alpha", "alpha_slopes")
 
 
@@ -106,14 +112,14 @@ def test_fsdp_root_bounds_are_bitwise_those_of_one_process(request, single, worl
         assert _bitwise(sharded[field], single[case][field]), field
 
 
-@pytest.mark.parametrize("case", ["256x2_bab", "256x2_sat", "resnet"])
+@pytest.mark.parametrize("case", SEARCHED)
 def test_fsdp_branch_and_bound_is_bitwise_that_of_one_process(two_ranks, single, case):
     got, want = two_ranks[0]["fsdp"][case]["verify"], single[case]["verify"]
     assert (got["verdict"], got["margins"], got["domains"]) == (want["verdict"], want["margins"], want["domains"])
     assert (got["cex"] is None) == (want["cex"] is None)
     if want["cex"] is not None:
         assert np.array_equal(got["cex"], want["cex"])
-    if case == "256x2_bab":
+    if case in ("256x2_bab", "general"):
         assert want["verdict"] == "unsat" and want["domains"] > 0  # the case does reach branch-and-bound
 
 
@@ -125,17 +131,25 @@ def test_fsdp_branch_and_bound_is_bitwise_that_of_one_process(two_ranks, single,
 @pytest.mark.parametrize("case", CASES)
 def test_row_parallel_bounds_equal_one_process_within_1e5(request, single, plan, world, case):
     sharded = _ranks(request, world)[0][plan][case]
-    for field in ROOT_FIELDS:
+    for field in ROOT_FIELDS if case not in CHAOTIC_ALPHA else ("ibp", "crown", "pre"):
         for got, want in zip(_flatten(sharded[field]), _flatten(single[case][field]), strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=field)
+    if case in CHAOTIC_ALPHA:  # sound, and at least CROWN's
+        assert (sharded["alpha"] >= sharded["crown"] - 1e-5).all()
+        graph, prop, _ = shard_worker.cases()[case]
+        with torch.no_grad():
+            y = graph(_samples(single[case]["box"])).flatten(1)
+        matrix = torch.tensor(np.vstack([d.matrix for d in prop.cases[0].disjuncts]), dtype=y.dtype)
+        assert (sharded["alpha"][:, 0] <= (y @ matrix.T).min(0).values + 1e-5).all()
 
 
-@pytest.mark.parametrize("case", ["256x2_bab", "256x2_sat", "resnet"])
+@pytest.mark.parametrize("case", SEARCHED)
 def test_domain_parallel_branch_and_bound_reaches_the_same_verdict(two_ranks, single, case):
     got, want = two_ranks[0]["rows"][case]["verify"], single[case]["verify"]
     assert got["verdict"] == want["verdict"]
-    for mine, theirs in zip(got["margins"], want["margins"], strict=True):
-        np.testing.assert_allclose(mine, theirs, atol=1e-5, rtol=1e-5)
+    if case not in CHAOTIC_ALPHA:  # the root margins are α-CROWN's
+        for mine, theirs in zip(got["margins"], want["margins"], strict=True):
+            np.testing.assert_allclose(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- FSDP + rows: tp rows on sharded weights
@@ -150,7 +164,7 @@ def test_fsdp_rows_root_bounds_are_bitwise_those_of_tp_rows(request, world, case
             assert _bitwise(rank["fsdp+rows"][case][field], rank["rows"][case][field]), field
 
 
-@pytest.mark.parametrize("case", ["256x2_bab", "256x2_sat", "resnet"])
+@pytest.mark.parametrize("case", SEARCHED)
 def test_fsdp_rows_branch_and_bound_is_that_of_tp_rows(two_ranks, case):
     for rank in two_ranks:
         got, want = rank["fsdp+rows"][case]["verify"], rank["rows"][case]["verify"]
@@ -193,7 +207,7 @@ def test_zone_bounds_hold_on_sampled_points_and_are_never_tighter_than_crown(two
 
 
 @pytest.mark.parametrize("plan", list(shard_worker.PLANS))
-@pytest.mark.parametrize("case", ["256x2_bab", "256x2_sat", "resnet"])
+@pytest.mark.parametrize("case", SEARCHED)
 def test_no_sharded_run_contradicts_the_single_process_verdict(two_ranks, single, plan, case):
     got, want = two_ranks[0][plan][case]["verify"]["verdict"], single[case]["verify"]["verdict"]
     assert got in (want, "unknown", "timeout"), (plan, got, want)

@@ -1,15 +1,16 @@
-"""Megatron-style tensor parallelism: ``Linear → ReLU → Linear`` zones sharded along their hidden dimension.
+"""Megatron-style tensor parallelism: ``Linear → activation → Linear`` zones sharded along their hidden dimension.
 
 Inside a zone rank ``r`` holds the column-parallel rows ``W₁[r]`` (its share of the hidden neurons, with their
 biases) and the row-parallel columns ``W₂[:, r]``; the second bias is replicated. Going backwards the zone
 takes replicated coefficients ``A`` on its output, multiplies them by ``W₂[:, r]`` (hidden-sharded, no
-communication), relaxes its local ReLUs, multiplies by ``W₁[r]`` and sums the partial input coefficients
-and constant terms over the ranks. Weights and the coefficients inside the zone take ``1/P`` of the memory.
+communication), relaxes its local activations (any element-wise :class:`~lightning_fedshard.verify.ops.Activation`:
+ReLU, sigmoid, sine, ...), multiplies by ``W₁[r]`` and sums the partial input coefficients and constant terms over
+the ranks. Weights and the coefficients inside the zone take ``1/P`` of the memory.
 
-The hidden pre-activation bounds that the ReLU relaxation needs come from interval propagation: a CROWN pass
-started there would need the full-width coefficients of every rank (see the module ``shard`` docs), so zones
-give sound but looser bounds, and their ReLUs are not branched on. The row-parallel bias is added once, after
-the sum, never once per rank.
+The hidden pre-activation bounds that the relaxation needs come from interval propagation: a CROWN pass started
+there would need the full-width coefficients of every rank (see the module ``shard`` docs), so zones give sound
+but looser bounds, and their activations are not branched on. The row-parallel bias is added once, after the sum,
+never once per rank.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph, Node
-from lightning_fedshard.verify.ops import BoundOp, Interval, Linear, ReLU, contract
+from lightning_fedshard.verify.ops import Activation, BoundOp, Interval, Linear, contract
 from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = ["MegatronZone", "megatron_zones"]
@@ -56,27 +57,38 @@ class _LeaveZone(torch.autograd.Function):
 
 
 class MegatronZone(BoundOp):
-    """``y = W₂ relu(W₁ x + b₁) + b₂`` with this rank's hidden neurons only; ``x [B, d]`` → ``y [B, m]``.
+    """``y = W₂ σ(W₁ x + b₁) + b₂`` with this rank's hidden neurons only, ``σ`` an element-wise activation;
+    ``x [B, d]`` → ``y [B, m]``.
 
     Example::
 
-        zone = MegatronZone.from_layers(fc1, fc2, RowPartition(group))
+        zone = MegatronZone.from_layers(fc1, ReLU(), fc2, RowPartition(group))
         y = zone.forward(x)                      # equal to fc2(relu(fc1(x))) on every rank
         (A_x,), bias = zone.backward(A, [x_bounds])
     """
 
     needs_input_bounds = True
 
-    def __init__(self, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, group: dist.ProcessGroup):
-        self.w1, self.b1, self.w2, self.b2, self.group = w1, b1, w2, b2, group
+    def __init__(
+        self,
+        w1: Tensor,
+        b1: Tensor | None,
+        activation: Activation,
+        w2: Tensor,
+        b2: Tensor | None,
+        group: dist.ProcessGroup,
+    ):
+        self.w1, self.b1, self.activation, self.w2, self.b2, self.group = w1, b1, activation, w2, b2, group
         self._hidden = Linear(w1, b1)
 
     @classmethod
-    def from_layers(cls, first: Linear, second: Linear, partition: RowPartition) -> MegatronZone:
+    def from_layers(
+        cls, first: Linear, activation: Activation, second: Linear, partition: RowPartition
+    ) -> MegatronZone:
         hidden = partition.span(first.weight.shape[0])
         b1 = None if first.bias is None else first.bias[hidden].clone()
         w2 = second.weight[:, hidden].contiguous()
-        return cls(first.weight[hidden].clone(), b1, w2, second.bias, partition.group)
+        return cls(first.weight[hidden].clone(), b1, activation, w2, second.bias, partition.group)
 
     def _enter(self, x: Tensor) -> Tensor:
         return _EnterZone.apply(x, self.group) if x.requires_grad else x
@@ -85,12 +97,12 @@ class MegatronZone(BoundOp):
         return self._hidden.ibp(Interval(self._enter(x.lower), self._enter(x.upper)))
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = self._hidden.forward(self._enter(x)).clamp(min=0) @ self.w2.T
+        partial = self.activation.forward(self._hidden.forward(self._enter(x))) @ self.w2.T
         y = _LeaveZone.apply(partial, self.group)
         return y if self.b2 is None else y + self.b2
 
     def ibp(self, x: Interval) -> Interval:
-        hidden = ReLU().ibp(self._hidden_bounds(x))
+        hidden = self.activation.ibp(self._hidden_bounds(x))
         mid = _LeaveZone.apply(hidden.center @ self.w2.T, self.group)
         rad = _LeaveZone.apply(hidden.radius @ self.w2.abs().T, self.group)
         if self.b2 is not None:
@@ -100,19 +112,21 @@ class MegatronZone(BoundOp):
     def backward(self, A, inputs, alpha=None):
         (x,) = inputs
         A_hidden = self._enter(A) @ self.w2
-        (A_pre,), relu_term = ReLU().backward(A_hidden, [self._hidden_bounds(x)])
+        (A_pre,), activation_term = self.activation.backward(A_hidden, [self._hidden_bounds(x)])
         (A_x_partial,), hidden_term = self._hidden.backward(A_pre, [None])
-        partial_bias = relu_term if hidden_term is None else relu_term + hidden_term
+        terms = [t for t in (activation_term, hidden_term) if t is not None]
+        partial_bias = sum(terms) if terms else torch.zeros(A.shape[:2], dtype=A.dtype, device=A.device)
         A_x = _LeaveZone.apply(A_x_partial, self.group)
         bias = _LeaveZone.apply(partial_bias, self.group)
         return [A_x], bias if self.b2 is None else bias + contract(A, self.b2)
 
     def __repr__(self) -> str:
-        return f"MegatronZone({self.w1.shape[1]}→{self.w1.shape[0]}/rank→{self.w2.shape[0]})"
+        hidden = f"{self.w1.shape[0]}/rank {self.activation!r}"
+        return f"MegatronZone({self.w1.shape[1]}→{hidden}→{self.w2.shape[0]})"
 
 
 def megatron_zones(graph: BoundGraph, group: dist.ProcessGroup, max_zones: int | None = None) -> BoundGraph:
-    """A copy of ``graph`` with up to ``max_zones`` (all, if ``None``) ``Linear → ReLU → Linear`` chains, taken
+    """A copy of ``graph`` with up to ``max_zones`` (all, if ``None``) ``Linear → activation → Linear`` chains, taken
     from the input onwards and not overlapping, replaced by :class:`MegatronZone` nodes holding this rank's
     shard. The zone node keeps the name of the chain's last node.
 
@@ -131,28 +145,28 @@ def megatron_zones(graph: BoundGraph, group: dist.ProcessGroup, max_zones: int |
     while i < len(graph.nodes):
         chain = graph.nodes[i : i + 3]
         if (max_zones is None or zones < max_zones) and _is_zone(chain, consumers):
-            first, _, second = chain
-            zone = MegatronZone.from_layers(first.op, second.op, partition)
+            first, activation, second = chain
+            zone = MegatronZone.from_layers(first.op, activation.op, second.op, partition)
             nodes.append(Node(second.name, zone, first.inputs, second.shape))
             i, zones = i + 3, zones + 1
         else:
             nodes.append(graph.nodes[i])
             i += 1
     if not zones:
-        raise ValueError("tensor-parallel zones need Linear → ReLU → Linear chains; this network has none")
+        raise ValueError("tensor-parallel zones need Linear → activation → Linear chains; this network has none")
     return BoundGraph(nodes, graph.output.name)
 
 
 def _is_zone(chain: list[Node], consumers: dict[str, int]) -> bool:
     if len(chain) < 3:
         return False
-    first, relu, second = chain
+    first, activation, second = chain
     return (
         isinstance(first.op, Linear)
-        and isinstance(relu.op, ReLU)
+        and isinstance(activation.op, Activation)
         and isinstance(second.op, Linear)
-        and relu.inputs == (first.name,)
-        and second.inputs == (relu.name,)
+        and activation.inputs == (first.name,)
+        and second.inputs == (activation.name,)
         and consumers.get(first.name) == 1
-        and consumers.get(relu.name) == 1
+        and consumers.get(activation.name) == 1
     )
