@@ -287,3 +287,34 @@ def test_softmax_bounds_hold_for_wide_and_dominated_logits(seed: int) -> None:
     y = softmax(x)
     assert (ibp.lower.double().numpy() <= y).all() and (y <= ibp.upper.double().numpy()).all()
     assert _check_backward(op, [Interval(lower, upper)], softmax, [x], None, seed=seed) >= 0
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "tanh", "exp", "log", "sqrt", "reciprocal_positive", "cube", "sin", "cos"])
+def test_alpha_gradients_are_those_of_the_lines(name: str) -> None:
+    # α-CROWN climbs the bound along autograd's gradient with respect to α: it must be the derivative of the lines
+    # themselves (central differences, in float64), not that of a safety margin inside them.
+    op, _, (low, high), _ = UNARY[name]
+    floor, _ = DOMAIN.get(name, (None, None))
+    rng = np.random.default_rng(7)
+    start = low if floor is None else max(low, floor)
+    centre = rng.uniform(start + 1, high, (1, 256))
+    half = rng.uniform(0.2, 3, (1, 256))
+    lower = np.maximum(centre - half, floor) if floor is not None else centre - half
+    pre = Interval(torch.tensor(lower), torch.tensor(centre + half))  # float64: the lines are not rounded
+    point = pre.lower + torch.tensor(rng.random((1, 256))) * (pre.upper - pre.lower)
+
+    def heights(alpha: torch.Tensor) -> torch.Tensor:  # [2, 256]: the lower and the upper line at the point
+        lines = op.relax(pre, alpha)
+        return torch.cat([lines.lower_slope * point + lines.lower_bias, lines.upper_slope * point + lines.upper_bias])
+
+    alpha = torch.tensor(rng.uniform(0.1, 0.9, (1, 1, 2, 256)), requires_grad=True)
+    heights(alpha).sum().backward()
+    step = 1e-6
+    for side in range(2):
+        up, down = alpha.detach().clone(), alpha.detach().clone()
+        up[:, :, side] += step
+        down[:, :, side] -= step
+        numeric = (heights(up)[side] - heights(down)[side]) / (2 * step)
+        agree = torch.isclose(alpha.grad[0, 0, side], numeric, rtol=1e-3, atol=1e-4)
+        # the line's height is piecewise smooth in α (where its touching point jumps): a few may straddle a kink
+        assert float(agree.double().mean()) >= 0.95, (side, alpha.grad[0, 0, side][~agree][:4], numeric[~agree][:4])

@@ -80,7 +80,9 @@ class SmoothActivation(Activation):
             # Only a point strictly inside its piece stands for an interior extreme; one clamped to the piece's
             # edge is an edge point, whose value is exact.
             interior = (raw > low) & (raw < high)
-            residual = torch.where(interior, (self.derivative(p) - slope).abs() * width, 0)
+            # A margin for the point's inexactness, not a function of the slope: its gradient (±width, where the
+            # true derivative −p is tiny next to it) would send α-CROWN uphill.
+            residual = torch.where(interior, (self.derivative(p) - slope).abs() * width, 0).detach()
             values.append(self.value(p) - slope * p + (residual if maximum else -residual))
         stacked = torch.stack(torch.broadcast_tensors(*values))
         extreme = stacked.amax(0) if maximum else stacked.amin(0)
@@ -316,8 +318,10 @@ class Pow(SmoothActivation):
 
 
 class _Sinusoid(SmoothActivation):
-    """``sin(x + phase)``: concave where ``sin > 0``, convex where ``sin < 0``, inflections at ``kπ − phase``. An
-    interval of a period or more gets the flat lines ``±1``."""
+    """``sin(x + phase)``: concave where ``sin > 0``, convex where ``sin < 0``, inflections at ``kπ − phase``. Over
+    more than a period, ``g(x) = f(x) − a·x`` changes by ``−2πa`` from one period to the next, so every point has
+    one at least as extreme in the first period (``a < 0`` for a minimum) or the last (``a ≥ 0``): the extreme over
+    the interval is that of those two windows, each exact on its own."""
 
     phase = 0.0
 
@@ -327,16 +331,13 @@ class _Sinusoid(SmoothActivation):
     def derivative(self, x):
         return torch.cos(x + self.phase)
 
-    def _wide(self, lower: Tensor, upper: Tensor) -> Tensor:
-        return (upper - lower) >= 2 * math.pi
-
     def inflections(self, lower, upper):
         first = torch.ceil((lower + self.phase) / math.pi) * math.pi - self.phase
         return [first + k * math.pi for k in range(3)]
 
     def stationary(self, slope, lower):
         # cos(y) = a: y = −acos(a) + 2πk in the convex piece [(2k−1)π, 2kπ], y = acos(a) + 2πk in the concave one
-        # [2kπ, (2k+1)π]; an interval narrower than 2π meets at most two pieces of each kind, all among these.
+        # [2kπ, (2k+1)π]; an interval of at most 2π meets at most two pieces of each kind, all among these.
         turn = torch.acos(slope.clamp(-1, 1))
         y_low = lower + self.phase
         points = []
@@ -348,18 +349,10 @@ class _Sinusoid(SmoothActivation):
         return points
 
     def offset(self, slope, lower, upper, maximum):
-        exact = super().offset(slope, lower, upper, maximum)
-        # Over a period or more sin takes every value in [−1, 1]: bound the two terms apart.
-        linear = (
-            torch.maximum(slope * lower, slope * upper) if not maximum else torch.minimum(slope * lower, slope * upper)
-        )
-        wide = (1 - linear) if maximum else (-1 - linear)
-        return torch.where(self._wide(lower, upper), wide, exact)
-
-    def slope_range(self, lower, upper):
-        low, high = super().slope_range(lower, upper)
-        wide = self._wide(lower, upper)
-        return torch.where(wide, 0, low), torch.where(wide, 0, high)
+        period = 2 * math.pi
+        first = super().offset(slope, lower, torch.minimum(upper, lower + period), maximum)
+        last = super().offset(slope, torch.maximum(lower, upper - period), upper, maximum)
+        return torch.maximum(first, last) if maximum else torch.minimum(first, last)
 
 
 class Sin(_Sinusoid):
