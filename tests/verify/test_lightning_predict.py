@@ -32,6 +32,19 @@ MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "vnncomp" / "mni
 needs_mnist = pytest.mark.skipif(not MNIST.is_dir(), reason="../shared/vnncomp/mnist_fc_2022 is absent")
 WORKER = Path(__file__).with_name("predict_worker.py")
 NET2, NET4 = MNIST / "onnx" / "mnist-net_256x2.onnx", MNIST / "onnx" / "mnist-net_256x4.onnx"
+#: Instances of the general-graph sets: a sigmoid MLP (unsat by CROWN), Pensieve's parallel net without a batch
+#: dimension, with Split, Pow and a computed denominator (unsat), an AC-OPF proxy with products of two tensors (sat).
+GENERAL = [
+    (MNIST.parent / folder / "onnx" / net, MNIST.parent / folder / "vnnlib" / prop)
+    for folder, net, prop in (
+        ("eran_sigmoid_2021", "ffnnSIGMOID__Point_6x200.onnx.gz", "mnist_spec_idx_7167_eps_0.01200.vnnlib"),
+        ("nn4sys_pensieve_2023", "pensieve_small_parallel.onnx.gz", "pensieve_parallel_4.vnnlib"),
+        ("ml4acopf_linear_2024", "14_ieee_ml4acopf-linear-nonresidual.onnx.gz", "14_ieee_prop1.vnnlib"),
+    )
+]
+needs_general = pytest.mark.skipif(
+    not all(onnx.is_file() for onnx, _ in GENERAL), reason="the general-graph sets of ../shared/vnncomp are absent"
+)
 TIMEOUT = 60.0
 LAUNCH_TIMEOUT_S = 150
 
@@ -91,6 +104,12 @@ def scenarios(corrupt: Path) -> dict[str, dict]:
                 (NET4, prop("2_0.03")),
                 (NET2, prop("1_0.03")),
             ],
+        },
+        # operators beyond ReLU, FSDP-sharded (absent sets: the mnist instance alone)
+        "general": {
+            "strategy": "fsdp",
+            "devices": 2,
+            "instances": [pair for pair in GENERAL if pair[0].is_file()] or [(NET2, prop("4_0.03"))],
         },
         # 2 × 2 mesh: instances over the data-parallel dim, each sharded over a tensor-parallel pair
         "fsdp_2x2": {
@@ -152,7 +171,7 @@ def assert_counterexample_replays(entry: VerificationResult) -> None:
     assert entry.verdict is Verdict.SAT and entry.counterexample is not None
     assert entry.counterexample_check == "ok"
     onnx, vnnlib = Path(entry.onnx), Path(entry.vnnlib)
-    prop_ = read_vnnlib(vnnlib, 784, 10)
+    prop_ = read_vnnlib(vnnlib, entry.counterexample.x.size, entry.counterexample.y.size)
     assert check_counterexample(entry.counterexample, prop_, model_forward(onnx)).ok
 
 
@@ -229,6 +248,23 @@ def test_fsdp_ranks_agree_and_match_the_single_process_run_bitwise(launch):
         assert entry.verdict == ref.verdict.value and entry.decided_by == ref.decided_by
         assert entry.root_margins == ref.root_margins  # bitwise: pickle round-trips floats exactly
     assert results[0].decided_by == "bab" and results[3].decided_by == "alpha-crown"
+    assert_counterexample_replays(results[2])
+
+
+@needs_mnist
+@needs_general
+@pytest.mark.multiproc
+def test_general_graphs_run_sharded_in_the_loop_as_in_one_process(launch):
+    results = launch("general")
+    assert [r.verdict for r in results] == ["unsat", "unsat", "sat"]
+    for entry in results:
+        assert_group_agrees(entry, 2, bitwise=True)
+        ref = reference(Path(entry.onnx), Path(entry.vnnlib))
+        assert (entry.verdict, entry.decided_by, entry.root_margins) == (
+            ref.verdict.value,
+            ref.decided_by,
+            ref.root_margins,
+        )
     assert_counterexample_replays(results[2])
 
 
