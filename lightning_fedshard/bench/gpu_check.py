@@ -272,9 +272,27 @@ def cuda_test_files(root: Path = REPO / "tests") -> list[Path]:
     return sorted(p for p in root.rglob("test_*.py") if marker in p.read_text(encoding="utf-8"))
 
 
-def pytest_cuda() -> dict:
-    import xml.etree.ElementTree as ElementTree
+def junit_outcome(junit: Path, exit_code: int) -> dict:
+    """A check result from pytest's JUnit XML and exit code: counts over every test suite, the failing tests."""
+    from xml.etree import ElementTree
 
+    root = ElementTree.parse(junit).getroot()
+    suites = list(root.iter("testsuite"))  # a list: each count below walks them again
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    failing = [
+        {"test": f"{case.get('classname')}::{case.get('name')}", "message": (problem.get("message") or "")[:200]}
+        for case in root.iter("testcase")
+        for problem in [*case.iter("failure"), *case.iter("error")]
+    ]
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    figure = f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
+    if exit_code not in (0, 1):  # interrupted, internal error, usage error: the counts stop where pytest did
+        figure += f", pytest exit code {exit_code}"
+    status = "pass" if exit_code == 0 and passed > 0 else "fail"
+    return {"status": status, "figure": figure, "details": failing[:20]}
+
+
+def pytest_cuda() -> dict:
     import pytest
 
     files = cuda_test_files()
@@ -283,17 +301,8 @@ def pytest_cuda() -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         junit = Path(scratch) / "junit.xml"
         code = pytest.main(["-m", "cuda", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *map(str, files)])
-        suites = ElementTree.parse(junit).getroot().iter("testsuite")
-        counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-        failing = [
-            {"test": f"{case.get('classname')}::{case.get('name')}", "message": (problem.get("message") or "")[:200]}
-            for case in ElementTree.parse(junit).getroot().iter("testcase")
-            for problem in [*case.iter("failure"), *case.iter("error")]
-        ]
-    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    figure = f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
-    status = "pass" if code == 0 and passed > 0 else "fail"
-    return {"status": status, "figure": f"{figure} in {len(files)} files", "details": failing[:20]}
+        outcome = junit_outcome(junit, int(code))
+    return {**outcome, "figure": f"{outcome['figure']} in {len(files)} files"}
 
 
 def dar_throughput() -> dict:

@@ -18,6 +18,7 @@ from lightning_fedshard.bench.gpu_check import (
     Check,
     check_timeout_s,
     cuda_test_files,
+    junit_outcome,
     main,
     run_checks,
     write_summary,
@@ -32,7 +33,11 @@ CASES = "tests.bench.gpu_check_cases"
 def test_make_gpu_check_without_cuda_runs_nothing_and_exits_0(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
     result = subprocess.run(
-        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}"], cwd=REPO, env=env, capture_output=True, text=True,
+        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -41,7 +46,6 @@ def test_make_gpu_check_without_cuda_runs_nothing_and_exits_0(tmp_path):
     assert summary["skipped"] and summary["ok"] and summary["checks"] == []
     assert "**Skipped**: nothing was run." in (tmp_path / "gpu_check.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.md"]  # no log: nothing ran
-
 
 
 def test_an_interpreter_without_torch_skips_and_exits_0(tmp_path):
@@ -53,6 +57,7 @@ def test_an_interpreter_without_torch_skips_and_exits_0(tmp_path):
     assert "skipped, torch is not installed" in result.stdout
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["skipped"] and summary["ok"] and summary["checks"] == []
+
 
 def test_the_runner_survives_every_way_a_check_can_end(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
@@ -119,3 +124,20 @@ def test_pytest_m_cuda_collects_the_gpu_tests_and_skips_them_here():
     assert " skipped" in summary and "passed" not in summary and "error" not in summary, summary
     assert int(summary.split()[0]) >= 10
     assert "cuda: CUDA is not available on this machine" in result.stdout
+
+
+def test_the_pytest_figure_counts_failures_and_skips_from_pytests_junit_xml(tmp_path):
+    (tmp_path / "test_mixed.py").write_text(
+        "import pytest\n"
+        "def test_passes(): pass\n"
+        "def test_fails(): assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skipped(): pass\n"
+    )
+    junit = tmp_path / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", str(tmp_path)]
+    result = run_isolated(command, timeout=120)
+    outcome = junit_outcome(junit, result.returncode)
+    assert outcome["figure"] == "1 passed, 1 failed, 1 skipped" and outcome["status"] == "fail", outcome
+    ((failing),) = outcome["details"]
+    assert failing["test"].endswith("::test_fails") and "one is not two" in failing["message"]

@@ -32,7 +32,9 @@ def test_fsdp2_bf16_mixed_trains_llama_on_one_gpu(tmp_path, checkpointing: bool)
     (row,) = record["details"]
     assert row["fused AdamW"] and row["compute dtype"] == "torch.bfloat16"
     assert row["activation checkpointing"] is checkpointing
-    assert abs(row["first loss"] - math.log(257)) < 0.5  # an untrained model's loss over 257 byte tokens
+    # An untrained model's loss over 257 byte tokens: the output layer (σ = dim^-0.5, truncated at ±3σ) over the
+    # unit-RMS final norm gives logits of variance 0.9733, so cross-entropy ≈ log V + 0.9733 / 2 (not log V).
+    assert abs(row["first loss"] - (math.log(257) + 0.9733 / 2)) < 0.3  # seeds on CPU: 5.95 … 6.16
     assert record["peak_cuda_bytes"] > 0
 
 
