@@ -29,6 +29,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from lightning_fedshard.compat import require_extra
+
 __all__ = ["FaultProbe", "FaultRun", "format_table", "main"]
 
 RECIPE = Path("recipes/tiny/fl_fsdp.yaml")
@@ -114,7 +116,8 @@ class Federation:
     """A Lighthouse and one ``fedshard fit`` job per group, each in a session of its own."""
 
     def __init__(self, out: Path, steps: int, overrides: list[str]) -> None:
-        from torchft._torchft import LighthouseServer
+        require_extra("torchft", "ft", "The fault-tolerance benchmark")
+        from torchft.coordination import LighthouseServer
 
         self.out, self.steps, self.overrides = out, steps, overrides
         out.mkdir(parents=True, exist_ok=True)

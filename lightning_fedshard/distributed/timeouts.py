@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_fedshard.compat import C10dBackend
 
 __all__ = ["check_timeout", "init_device_mesh_with_timeout"]
 

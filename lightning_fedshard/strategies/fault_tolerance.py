@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_fedshard.compat import require_extra
 from lightning_fedshard.distributed.timeouts import check_timeout
 from lightning_fedshard.dynamiq.codec import Codec
 from lightning_fedshard.dynamiq.settings import Compression
@@ -86,6 +87,7 @@ class FaultTolerance:
         """Every field filled in (from the environment where not given) and checked; a clear error otherwise."""
         env = os.environ if environ is None else environ
         name = type(self).__name__
+        require_extra("torchft", "ft", f"{name} (fault-tolerant federation groups)")
         lighthouse = self.lighthouse or env.get(ENV["lighthouse"])
         if not lighthouse:
             raise ValueError(
@@ -207,6 +209,7 @@ class FederationMember:
         load_counters: Callable[[dict[str, int]], None],
         backend: str = "gloo",
     ) -> None:
+        require_extra("torchft", "ft", f"{type(config).__name__} (fault-tolerant federation groups)")
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.config = config

@@ -14,8 +14,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,6 +32,7 @@ from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fedshard.compat import _PATH, _optimizers_to_device
 from lightning_fedshard.distributed import JobEnd, check_timeout, destroy_process_group_at_exit
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
 from lightning_fedshard.dynamiq.plugin import DynamiQ

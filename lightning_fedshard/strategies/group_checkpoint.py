@@ -29,15 +29,16 @@ import pickle
 import re
 import shutil
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor
+
+from lightning_fedshard.compat import _MEM_FORMAT_ENCODING, _StorageInfo, layout_pickle_global
 
 __all__ = [
     "FEDSHARD_KEY",
@@ -61,7 +62,8 @@ DCP_METADATA_FILENAME = ".metadata"
 # What an interrupted save leaves beside ``<name>``: its unfinished folder, or the previous version moved aside.
 _LEFTOVER = re.compile(r"\.(?P<target>.+)\.(?P<kind>incomplete|replaced)-(?P<token>[0-9a-f]+)")
 
-# Everything a DCP ``.metadata`` pickle refers to (torch.distributed.checkpoint.metadata, FileSystemWriter).
+# Everything a DCP ``.metadata`` pickle refers to (torch.distributed.checkpoint.metadata, FileSystemWriter),
+# besides torch dtypes, the layout's rebuild function (:func:`layout_pickle_global`) and pathlib paths.
 _METADATA_GLOBALS = {
     (cls.__module__, cls.__qualname__)
     for cls in (
@@ -72,14 +74,23 @@ _METADATA_GLOBALS = {
         dcp_metadata.BytesStorageMetadata,
         dcp_metadata.ChunkStorageMetadata,
         dcp_metadata.TensorProperties,
-        dcp_metadata._MEM_FORMAT_ENCODING,
+        _MEM_FORMAT_ENCODING,
         _StorageInfo,
         torch.Size,
-        type(Path()),  # StorageMeta.checkpoint_id is the path the checkpoint was saved to
-        PurePosixPath,
-        PureWindowsPath,
     )
-} | {("torch.serialization", "_get_layout")}  # how a pickled torch.layout is rebuilt
+}
+
+# ``StorageMeta.checkpoint_id`` is the path the checkpoint was saved to, pickled as the writer's pathlib class:
+# ``pathlib.PosixPath`` or ``WindowsPath``, and ``pathlib._local.*`` from Python 3.13 (where the classes moved).
+# Loading only records it, so each is read as the pure path of its flavour, which any Python on any OS can build.
+_PATH_CLASSES = {
+    "PurePath": PurePath,
+    "Path": PurePath,
+    "PurePosixPath": PurePosixPath,
+    "PosixPath": PurePosixPath,
+    "PureWindowsPath": PureWindowsPath,
+    "WindowsPath": PureWindowsPath,
+}
 
 _HASH_CHUNK = 1 << 20
 
@@ -289,8 +300,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the globals a DCP ``.metadata`` holds; anything else (``os.system``…) is refused, never imported."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
+        if (module, name) in _METADATA_GLOBALS or (module, name) == layout_pickle_global():
             return super().find_class(module, name)
+        if module in ("pathlib", "pathlib._local") and name in _PATH_CLASSES:
+            return _PATH_CLASSES[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _ForbiddenGlobal(f"{module}.{name}")

@@ -12,7 +12,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from lightning_fedshard.compat import AllGather, ReduceScatter
 
 __all__ = ["TIERS", "CommLedger", "ring_bytes", "install_fsdp_counters"]
 

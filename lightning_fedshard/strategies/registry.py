@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fedshard.compat import _StrategyRegistry
 from lightning_fedshard.strategies.ddp_dynamiq import DynamiQDDPStrategy
 from lightning_fedshard.strategies.fl_fsdp import FLFSDPStrategy
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_fedshard.compat import TorchDispatchMode, tree_leaves
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_fedshard.compat import require_extra
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
@@ -122,6 +124,13 @@ def _refinement(config: VerifyConfig, graph: BoundGraph, plan: ShardPlan) -> Ref
     """``config.refine`` with ``auto`` resolved; ``none`` where programs cannot be written (other operators, or
     weights sharded over ranks)."""
     if plan.sharded or config.refine is Refine.NONE:
+        return Refine.NONE
+    try:
+        require_extra("highspy", "lp", f"refine={config.refine.value!r} (LP/MILP bound refinement by HiGHS)")
+    except ImportError as err:
+        if config.refine is not Refine.AUTO:
+            raise
+        warnings.warn(f"Verifying without LP/MILP bound refinement: {err}", RuntimeWarning, stacklevel=2)
         return Refine.NONE
     from lightning_fedshard.verify.bounds.lp import supports_programs
 

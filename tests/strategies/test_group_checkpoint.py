@@ -1,8 +1,11 @@
 """Checks on checkpoint files that need no process group (DCP saves and loads one group in this process)."""
 
 import argparse
+import copyreg
 import os
+import pathlib
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,3 +209,89 @@ def test_meta_is_loaded_with_weights_only(tmp_path):
 def test_a_missing_group_folder_names_the_group(tmp_path):
     with pytest.raises(ValueError, match="federation group 3 of .* is incomplete: it has no group3/.metadata"):
         load_group_state(tmp_path, 3, {}, None)
+
+
+class _RecordingUnpickler(pickle.Unpickler):
+    """Plain pickle, noting every global a file names: what the installed torch writes into a DCP ``.metadata``."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self.names: set[tuple[str, str]] = set()
+
+    def find_class(self, module: str, name: str):
+        self.names.add((module, name))
+        return super().find_class(module, name)
+
+
+def _every_kind() -> dict:
+    """Tensors of every dtype family, memory format and shape DCP records, and non-tensor values."""
+    return {
+        "float": {str(d): torch.ones(2, 3, dtype=d) for d in (torch.float32, torch.bfloat16, torch.float16)},
+        "other": {
+            "f64": torch.arange(4, dtype=torch.float64),
+            "i64": torch.arange(3),
+            "u8": torch.ones(2, dtype=torch.uint8),
+            "bool": torch.ones(2, dtype=torch.bool),
+            "c64": torch.ones(2, dtype=torch.complex64),
+        },
+        "channels_last": torch.ones(1, 2, 3, 4).to(memory_format=torch.channels_last),
+        "transposed": torch.arange(6.0).reshape(2, 3).t(),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.empty(0, 4),
+        "hyper": {"lr": 0.1, "betas": (0.9, 0.99), "name": "adamw", "none": None},
+    }
+
+
+def test_every_global_a_dcp_checkpoint_of_the_installed_torch_names_is_admitted(tmp_path):
+    # Written by the installed torch: a torch upgrade that pickles DCP metadata through a new class fails here,
+    # in CI, instead of making every checkpoint "refused" for users.
+    state = _every_kind()
+    save_group_state(tmp_path, 0, state, None)
+    with (tmp_path / "group0" / ".metadata").open("rb") as stream:
+        recorder = _RecordingUnpickler(stream)
+        recorder.load()
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in recorder.names
+    loaded = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    loaded["float"] = {k: torch.zeros_like(v) for k, v in state["float"].items()}
+    loaded["other"] = {k: torch.zeros_like(v) for k, v in state["other"].items()}
+    loaded["hyper"] = {"lr": None, "betas": None, "name": None, "none": 0}
+    load_group_state(tmp_path, 0, loaded, None)  # through the allow-list: refuses any global it does not admit
+    torch.testing.assert_close(loaded["other"], state["other"])
+    torch.testing.assert_close(loaded["channels_last"], state["channels_last"])
+    assert loaded["hyper"] == state["hyper"]
+
+
+def _rebuild_layout(name: str) -> torch.layout:
+    """A torch release's layout reducer under a name other than torch 2.x's ``torch.serialization._get_layout``."""
+    return next(v for v in vars(torch).values() if isinstance(v, torch.layout) and str(v) == name)
+
+
+def test_a_torch_that_pickles_layouts_through_another_function_still_loads(tmp_path, monkeypatch):
+    # The allow-list takes the layout's rebuild function from the reducer the installed torch registers.
+    monkeypatch.setitem(copyreg.dispatch_table, torch.layout, lambda layout: (_rebuild_layout, (str(layout),)))
+    path = _save(tmp_path / "a.ckpt", _state())
+    assert b"_rebuild_layout" in (path / "group0" / ".metadata").read_bytes()
+    torch.testing.assert_close(_load(path)["state_dict"], _state()["state_dict"])
+
+
+def _as_python_3_13(monkeypatch) -> bytes:
+    """Pickles paths as Python 3.13 does: its pathlib classes are defined in ``pathlib._local``."""
+    monkeypatch.setitem(sys.modules, "pathlib._local", pathlib)
+    monkeypatch.setattr(pathlib.PosixPath, "__module__", "pathlib._local")
+    return b"pathlib._local"
+
+
+def _as_windows(monkeypatch) -> bytes:
+    """Pickles paths as Windows does: as ``pathlib.WindowsPath``, which POSIX cannot instantiate."""
+    monkeypatch.setattr(pathlib.PosixPath, "__reduce__", lambda self: (pathlib.WindowsPath, ("C:\\runs\\a.ckpt",)))
+    return b"WindowsPath"
+
+
+@pytest.mark.parametrize("writer", [_as_python_3_13, _as_windows])
+def test_a_checkpoint_written_on_python_3_13_or_windows_loads(tmp_path, monkeypatch, writer):
+    # DCP pickles the path a checkpoint was saved to (StorageMeta.checkpoint_id) as the writer's pathlib class.
+    with monkeypatch.context() as patch:
+        marker = writer(patch)
+        path = _save(tmp_path / "a.ckpt", _state())
+    assert marker in (path / "group0" / ".metadata").read_bytes()
+    torch.testing.assert_close(_load(path)["state_dict"], _state()["state_dict"])
