@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: What the package is built and tested against (pyproject.toml's ``dependencies`` say the same).
-SUPPORTED_VERSIONS = "torch>=2.9 (tested with 2.13 and 2.14) and lightning>=2.6,<2.7"
+SUPPORTED_VERSIONS = "torch>=2.9 (tested with 2.13) and lightning>=2.6,<2.7"
 
 _DISTRIBUTION = "lightning-fedshard"
 
