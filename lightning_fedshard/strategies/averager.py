@@ -175,12 +175,15 @@ class FedAverager:
         indices = self.fragments[fragment]
         local = [self.named_params[i][1].to_local() for i in indices]
         if self._reference:
-            # in the global copy's dtype; only the buckets below are cast to the wire's
-            contributions = [self._reference[i] - t for i, t in zip(indices, local, strict=True)]
+            contributions, peaks = [], []
+            for i, t in zip(indices, local, strict=True):
+                change = self._reference[i] - t  # in the global copy's dtype, checked before the wire rounds it
+                peaks.append(_peak(change))
+                contributions.append(change.to(self._sync_dtype))
             what = "change since the last sync of"
         else:
-            contributions, what = local, "parameter"
-        self._refuse_unsafe_average(contributions, what, indices)
+            contributions, peaks, what = local, [_peak(t) for t in local], "parameter"
+        self._refuse_unsafe_average(torch.stack(peaks), what, indices)
         pending = PendingAverage(fragment, indices)
         for bucket in _buckets(list(range(len(indices))), BUCKET_BYTES // self._sync_dtype.itemsize, contributions):
             flat = torch.cat([contributions[j].reshape(-1).to(self._sync_dtype) for j in bucket])
@@ -226,23 +229,16 @@ class FedAverager:
                 self._ledger.record("replicate", "broadcast", _nbytes(flat), dist.get_world_size(self._replicate_group))
         pending.complete = True
 
-    def _refuse_unsafe_average(self, contributions: list[torch.Tensor], what: str, indices: list[int]) -> None:
-        """Raises on every rank, before anything is sent or written back, when a contribution is not finite or so
-        large that the sum across groups would overflow ``sync_dtype``: its average would poison every group.
+    def _refuse_unsafe_average(self, peaks: torch.Tensor, what: str, indices: list[int]) -> None:
+        """Raises on every rank, before anything is sent or written back, when a contribution (its largest magnitude
+        in ``peaks``, fp64) is not finite or so large that the sum across groups would overflow ``sync_dtype``: its
+        average would poison every group.
 
         One flag all-reduced over the world keeps the ranks together (a rank that raised alone would leave the
         others waiting in the next collective); the names are gathered only when a rank flagged one.
         """
         num_groups = self._transport.size()
         limit = torch.finfo(self._sync_dtype).max / num_groups
-        peaks = torch.stack(
-            [
-                torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-                if t.numel()
-                else t.new_zeros((), dtype=torch.float32)
-                for t in contributions
-            ]
-        )
         unsafe = ~(peaks <= limit)  # NaN compares false
         flag = unsafe.any().to(torch.int32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -352,6 +348,13 @@ def _mix_(local: torch.Tensor, target: torch.Tensor, alpha: float) -> None:
     else:
         dtype = master_dtype(local.dtype, target.dtype)
         local.copy_(torch.lerp(local.to(dtype), target.to(dtype), 1 - alpha))
+
+
+def _peak(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``tensor`` (NaN if it holds one), in fp64 so that no dtype's range clips it."""
+    if not tensor.numel():
+        return tensor.new_zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(tensor.detach(), ord=float("inf")).to(torch.float64)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

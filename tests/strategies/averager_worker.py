@@ -29,6 +29,7 @@ SHAPES = {"a.weight": (6, 8), "b.bias": (5,)}
 RUNS = {
     "diloco_bf16": ("nesterov", torch.bfloat16, 0.0),
     "diloco_fp32": ("nesterov", torch.float32, 0.0),
+    "diloco_fp64": ("nesterov", torch.float64, 0.0),  # a wire wider than the shards: the state takes its dtype
     "fedavg_bf16": ("avg", torch.bfloat16, 0.5),
     "fedavg_fp32": ("avg", torch.float32, 0.5),
 }

@@ -123,6 +123,7 @@ def test_diloco_under_a_bf16_wire_keeps_every_small_outer_step(ranks):
         bf16, fp32 = record["runs"]["diloco_bf16"]["final"], record["runs"]["diloco_fp32"]["final"]
         assert_within(bf16, expected, bound_bf16, "bf16 sync vs fp64")
         assert_within(fp32, expected, bound_fp32, "fp32 sync vs fp64")
+        assert_within(record["runs"]["diloco_fp64"]["final"], expected, bound_fp32, "fp64 sync vs fp64")
         assert_within(bf16, fp64(fp32), {n: bound_bf16[n] + bound_fp32[n] for n in bound_bf16}, "bf16 vs fp32 sync")
     assert_bound_is_tight(bound_bf16, movement)
 
@@ -147,6 +148,8 @@ def test_only_the_wire_is_bf16(ranks):
         assert runs["diloco_bf16"]["state_dtypes"] == {"reference": fp32_state, "momentum": fp32_state}
         assert runs["fedavg_bf16"]["state_dtypes"] == {"reference": fp32_state}  # the global copy a delta needs
         assert runs["fedavg_fp32"]["state_dtypes"] == {}  # an fp32 wire averages the fp32 weights themselves
+        fp64_state = ["torch.float64"] * len(SHAPES)
+        assert runs["diloco_fp64"]["state_dtypes"] == {"reference": fp64_state, "momentum": fp64_state}
         # 2 groups: a ring all-reduce sends its buffer once per round
         for name, (_, sync_dtype, _) in RUNS.items():
             assert runs[name]["fed_bytes"] == ROUNDS * numel * sync_dtype.itemsize, name
