@@ -17,7 +17,15 @@ from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 from lightning_fedshard.strategies.ledger import CommLedger
 
-__all__ = ["OUTER_OPTIMIZERS", "SYNC_MODES", "FedAverager", "FedTransport", "PendingAverage", "ProcessGroupTransport"]
+__all__ = [
+    "OUTER_OPTIMIZERS",
+    "SYNC_MODES",
+    "FedAverager",
+    "FedTransport",
+    "PendingAverage",
+    "ProcessGroupTransport",
+    "master_dtype",
+]
 
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 SYNC_MODES = ("all_replicas", "leader")
@@ -86,6 +94,12 @@ class FedAverager:
     the last sync (``reference - local``, as DiLoCo does) rather than the weights themselves: the
     codec's relative error then scales with a few steps' updates, not with the weights.
 
+    ``sync_dtype`` is the dtype on the wire only. The global copy (``reference``), DiLoCo's momentum and the
+    mixing into the local shards stay in fp32, or in the parameters' or ``sync_dtype``'s dtype where that is
+    wider (:func:`master_dtype`): rounding them to a bf16 wire every round would erase every outer update below
+    2^-8 of a weight. So when ``sync_dtype`` is narrower than a parameter, FedAvg too keeps a global copy and
+    averages the change since the last sync: the wire then rounds a few steps' updates, not the weights.
+
     Example::
 
         averager = FedAverager(model.named_parameters(), fed_group=mesh.get_group("fed"),
@@ -129,8 +143,11 @@ class FedAverager:
         self._codec = compression.make_codec() if compression is not None else None
         self._reference: list[torch.Tensor] = []
         self._outer: torch.optim.SGD | None = None
-        if outer_optimizer == "nesterov" or compression is not None:
-            self._reference = [p.to_local().detach().to(sync_dtype, copy=True) for _, p in self.named_params]
+        narrow_wire = any(torch.promote_types(p.dtype, sync_dtype) != sync_dtype for _, p in self.named_params)
+        if outer_optimizer == "nesterov" or compression is not None or narrow_wire:
+            self._reference = [
+                p.to_local().detach().to(master_dtype(p.dtype, sync_dtype), copy=True) for _, p in self.named_params
+            ]
         if self._codec is not None:
             # build the codec's kernels now, not inside the first sync
             local = [p.to_local() for _, p in self.named_params]
@@ -158,11 +175,15 @@ class FedAverager:
         indices = self.fragments[fragment]
         local = [self.named_params[i][1].to_local() for i in indices]
         if self._reference:
-            contributions = [self._reference[i] - t.to(self._sync_dtype) for i, t in zip(indices, local, strict=True)]
+            contributions, peaks = [], []
+            for i, t in zip(indices, local, strict=True):
+                change = self._reference[i] - t  # in the global copy's dtype, checked before the wire rounds it
+                peaks.append(_peak(change))
+                contributions.append(change.to(self._sync_dtype))
             what = "change since the last sync of"
         else:
-            contributions, what = local, "parameter"
-        self._refuse_unsafe_average(contributions, what, indices)
+            contributions, peaks, what = local, [_peak(t) for t in local], "parameter"
+        self._refuse_unsafe_average(torch.stack(peaks), what, indices)
         pending = PendingAverage(fragment, indices)
         for bucket in _buckets(list(range(len(indices))), BUCKET_BYTES // self._sync_dtype.itemsize, contributions):
             flat = torch.cat([contributions[j].reshape(-1).to(self._sync_dtype) for j in bucket])
@@ -173,7 +194,8 @@ class FedAverager:
     def finish(self, pending: PendingAverage, alpha: float = 0.0) -> None:
         """Waits for ``pending`` and applies it: the fragment's global copy becomes the average (FedAvg) or takes the
         outer step on the averaged pseudo-gradient (DiLoCo), and each local shard becomes
-        ``alpha · local + (1 - alpha) · global`` (``alpha = 0``: the global copy exactly)."""
+        ``alpha · local + (1 - alpha) · global`` (``alpha = 0``: the global copy exactly). The average arrives in
+        ``sync_dtype``; the global copy, the momentum and the mixing take it in their own (wider) dtype."""
         self.complete(pending)
         indices = pending.indices
         local = [self.named_params[i][1].to_local() for i in indices]
@@ -188,7 +210,7 @@ class FedAverager:
                 ref.sub_(grad)
         else:
             for ref, grad in zip(refs, averaged, strict=True):
-                ref.grad = grad
+                ref.grad = grad.to(ref.dtype)
             self._outer.step()  # steps only the references that hold a gradient: this fragment's
             self._outer.zero_grad(set_to_none=True)
         for t, ref in zip(local, refs, strict=True):
@@ -207,23 +229,16 @@ class FedAverager:
                 self._ledger.record("replicate", "broadcast", _nbytes(flat), dist.get_world_size(self._replicate_group))
         pending.complete = True
 
-    def _refuse_unsafe_average(self, contributions: list[torch.Tensor], what: str, indices: list[int]) -> None:
-        """Raises on every rank, before anything is sent or written back, when a contribution is not finite or so
-        large that the sum across groups would overflow ``sync_dtype``: its average would poison every group.
+    def _refuse_unsafe_average(self, peaks: torch.Tensor, what: str, indices: list[int]) -> None:
+        """Raises on every rank, before anything is sent or written back, when a contribution (its largest magnitude
+        in ``peaks``, fp64) is not finite or so large that the sum across groups would overflow ``sync_dtype``: its
+        average would poison every group.
 
         One flag all-reduced over the world keeps the ranks together (a rank that raised alone would leave the
         others waiting in the next collective); the names are gathered only when a rank flagged one.
         """
         num_groups = self._transport.size()
         limit = torch.finfo(self._sync_dtype).max / num_groups
-        peaks = torch.stack(
-            [
-                torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-                if t.numel()
-                else t.new_zeros((), dtype=torch.float32)
-                for t in contributions
-            ]
-        )
         unsafe = ~(peaks <= limit)  # NaN compares false
         flag = unsafe.any().to(torch.int32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -288,6 +303,8 @@ class FedAverager:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, dict[str, DTensor]]) -> None:
+        """Copies a saved global copy and momentum in, upcast to this averager's dtype (a checkpoint written when
+        they were kept in ``sync_dtype``, e.g. bf16, loads into the fp32 state)."""
         if not self._reference:
             return
         for (name, _), ref in zip(self.named_params, self._reference, strict=True):
@@ -317,12 +334,27 @@ class PendingAverage:
         return out
 
 
+def master_dtype(param_dtype: torch.dtype, sync_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a parameter's global copy and outer momentum: fp32, or the parameter's or the wire's dtype
+    where wider. Never the wire's alone: a bf16 global copy would round away every outer step below 2^-8 relative."""
+    return torch.promote_types(torch.promote_types(param_dtype, torch.float32), sync_dtype)
+
+
 def _mix_(local: torch.Tensor, target: torch.Tensor, alpha: float) -> None:
-    """``local = alpha · local + (1 - alpha) · target``, exactly ``target`` for ``alpha = 0``."""
+    """``local = alpha · local + (1 - alpha) · target``, exactly ``target`` for ``alpha = 0``; the blend runs in
+    fp32 at least (a bf16 blend would round the local weights before they are stored)."""
     if alpha == 0:
         local.copy_(target)
     else:
-        local.copy_(torch.lerp(local.to(target.dtype), target, 1 - alpha))
+        dtype = master_dtype(local.dtype, target.dtype)
+        local.copy_(torch.lerp(local.to(dtype), target.to(dtype), 1 - alpha))
+
+
+def _peak(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``tensor`` (NaN if it holds one), in fp64 so that no dtype's range clips it."""
+    if not tensor.numel():
+        return tensor.new_zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(tensor.detach(), ord=float("inf")).to(torch.float64)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
