@@ -124,18 +124,61 @@ def _address(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _check(x: Tensor, dtype: torch.dtype, what: str) -> None:
+# The kernels trust every length they are given: the wrappers below check each one before the call, so that a wrong
+# size raises here instead of reading or writing past a tensor's memory.
+_SUPER_GROUP = _GROUP * _GROUPS_PER_SG
+#: Entries of the scale table (indexed by a byte) and of the mantissa thresholds that the kernels read.
+_TABLE_SIZE, _MANTISSA_STEPS = 256, 7
+
+
+def _check(x: Tensor, dtype: torch.dtype, what: str, numel: int | None = None) -> None:
     if x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous():
         raise ValueError(
             f"DynamiQ CPU kernels: {what} must be a contiguous {dtype} CPU tensor, got {x.dtype} on {x.device}"
         )
+    if numel is not None and x.numel() != numel:
+        raise ValueError(f"DynamiQ CPU kernels: {what} has {x.numel()} elements, expected {numel}")
+
+
+def _groups(x: Tensor, unit: int, what: str) -> int:
+    """Groups of 32 in ``x``, whose size must be a whole number of ``unit`` coordinates (the kernels drop a
+    remainder or, for messages, misplace every field after it)."""
+    if x.numel() % unit:
+        raise ValueError(
+            f"DynamiQ CPU kernels: {what} has {x.numel()} coordinates, not a multiple of {unit} "
+            "(DynamiQCodec pads tensors to whole super-groups of 256 before calling them)"
+        )
+    return x.numel() // _GROUP
+
+
+def _check_budget(budget: int) -> None:
+    if not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"DynamiQ CPU kernels: the payload budget is a non-negative int, got {budget!r}")
+
+
+def _message_bytes(groups: int, budget: int) -> int:
+    """Bytes of the message of ``groups`` groups of 32 (whole super-groups) at ``budget`` payload words."""
+    return groups // _GROUPS_PER_SG * _SIDE_BYTES_PER_SG + 4 * budget
+
+
+def _kernels() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(
+            "DynamiQ CPU kernels are turned off (FEDSHARD_DYNAMIQ_COMPILE) or did not build; DynamiQCodec runs "
+            "the torch functions then."
+        )
+    return lib
 
 
 def group_max(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """Max |x| of each group of 32 of fp32 ``x`` (a NaN wins, as in ``torch.amax``)."""
+    """Max |x| of each group of 32 of fp32 ``x`` (a NaN wins, as in ``torch.amax``), into ``out`` (one element
+    per group) when given."""
     _check(x, torch.float32, "x")
-    out = torch.empty(x.numel() // _GROUP, dtype=torch.float32) if out is None else out
-    library().dq_group_max(x.data_ptr(), out.numel(), out.data_ptr())
+    groups = _groups(x, _GROUP, "x")
+    out = torch.empty(groups, dtype=torch.float32) if out is None else out
+    _check(out, torch.float32, "out", groups)
+    _kernels().dq_group_max(x.data_ptr(), groups, out.data_ptr())
     return out
 
 
@@ -149,17 +192,25 @@ def encode(
     antithetic: bool,
     scratch: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """The message of fp32 ``x`` whose group maxima are ``maxima``, spending ``budget`` payload width units;
-    ``key`` is the stochastic-rounding dither's (``None``: to nearest). ``scratch``: an int32 and an int64 tensor
-    of one element per group, reused across calls (fresh ones otherwise)."""
-    for t, what in ((x, "x"), (maxima, "group maxima"), (table, "scale table"), (mantissa_steps, "mantissa steps")):
-        _check(t, torch.float32, what)
-    groups = x.numel() // _GROUP
-    msg = torch.empty(groups // _GROUPS_PER_SG * _SIDE_BYTES_PER_SG + 4 * budget, dtype=torch.uint8)
+    """The message of fp32 ``x`` (a multiple of 256 coordinates) whose group maxima are ``maxima``, spending
+    ``budget`` payload width units; ``key`` is the stochastic-rounding dither's (``None``: to nearest), a
+    non-negative int64. ``scratch``: an int32 and an int64 tensor of at least one element per group, reused
+    across calls (fresh ones otherwise)."""
+    _check(x, torch.float32, "x")
+    groups = _groups(x, _SUPER_GROUP, "x")
+    _check(maxima, torch.float32, "group maxima", groups)
+    _check(table, torch.float32, "scale table", _TABLE_SIZE)
+    _check(mantissa_steps, torch.float32, "mantissa steps", _MANTISSA_STEPS)
+    _check_budget(budget)
+    if key is not None and not (isinstance(key, int) and 0 <= key < 1 << 63):
+        raise ValueError(f"DynamiQ CPU kernels: the dither key is a non-negative int64, got {key!r}")
     widths, keys = scratch or (torch.empty(groups, dtype=torch.int32), torch.empty(groups, dtype=torch.int64))
+    _check(widths, torch.int32, "width scratch")
+    _check(keys, torch.int64, "key scratch")
     if widths.numel() < groups or keys.numel() < groups:
         raise ValueError(f"DynamiQ CPU kernels: scratch of {widths.numel()}, {keys.numel()} for {groups} groups")
-    library().dq_encode(
+    msg = torch.empty(_message_bytes(groups, budget), dtype=torch.uint8)
+    _kernels().dq_encode(
         x.data_ptr(), maxima.data_ptr(), groups, budget, table.data_ptr(), mantissa_steps.data_ptr(),
         int(key is not None), 0 if key is None else key, int(antithetic),
         msg.data_ptr(), widths.data_ptr(), keys.data_ptr(),
@@ -176,19 +227,26 @@ def decode_into(
     out: Tensor,
     maxima: Tensor | None = None,
 ) -> Tensor:
-    """Writes ``decode(msg) (+ local)`` into fp32 ``out`` and its group maxima into ``maxima`` (fresh if not
-    given), which it returns. ``msg`` must have the size of ``out.numel()`` coordinates at ``budget`` (checked
-    by the caller); a message whose widths ask for more payload than that is rejected."""
-    _check(msg, torch.uint8, "message")
+    """Writes ``decode(msg) (+ local)`` into fp32 ``out`` (a multiple of 256 coordinates) and its group maxima
+    into ``maxima`` (fresh if not given), which it returns. ``msg`` must have the size of ``out.numel()``
+    coordinates at ``budget``; a message whose widths ask for more payload than that is rejected."""
     _check(out, torch.float32, "out")
+    groups = _groups(out, _SUPER_GROUP, "out")
+    _check_budget(budget)
+    _check(msg, torch.uint8, "message")
+    expected = _message_bytes(groups, budget)
+    if msg.numel() != expected:
+        raise ValueError(
+            f"DynamiQ message of {msg.numel()} bytes; {out.numel()} coordinates at {budget} width units need "
+            f"{expected}."
+        )
+    _check(table, torch.float32, "scale table", _TABLE_SIZE)
     if local is not None:
-        _check(local, torch.float32, "local")
-    maxima = torch.empty(out.numel() // _GROUP, dtype=torch.float32) if maxima is None else maxima
-    _check(maxima, torch.float32, "maxima")
-    if maxima.numel() != out.numel() // _GROUP:
-        raise ValueError(f"DynamiQ CPU kernels: {maxima.numel()} group maxima for {out.numel()} coordinates")
-    status = library().dq_decode(
-        msg.data_ptr(), maxima.numel(), budget, table.data_ptr(), int(stochastic), _address(local),
+        _check(local, torch.float32, "local", out.numel())
+    maxima = torch.empty(groups, dtype=torch.float32) if maxima is None else maxima
+    _check(maxima, torch.float32, "maxima", groups)
+    status = _kernels().dq_decode(
+        msg.data_ptr(), groups, budget, table.data_ptr(), int(stochastic), _address(local),
         out.data_ptr(), maxima.data_ptr(),
     )  # fmt: skip
     if status != 0:

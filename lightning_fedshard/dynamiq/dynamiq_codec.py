@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import operator
 import threading
 
 import torch
@@ -36,7 +37,6 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
     dither,
     dither_key,
     hash_uniform,
-    check_message_size,
     level_count,
     message_fields,
     message_header,
@@ -63,10 +63,15 @@ class DynamiQCodec(Codec):
     antithetic across hops (``u`` on odd hops, ``1-u`` on even ones), which halves the error that
     independent stochastic rounding accumulates along a ring.
 
+    A message covers whole super-groups of 256 coordinates: a tensor of any other size is encoded as if
+    zero-padded to the next multiple of 256 (the bytes of that padded tensor's message), and ``decode`` returns
+    exactly ``numel`` values. Short tensors therefore cost more than ``bits`` per coordinate; the collectives
+    pad their chunks to whole super-groups themselves, so their budget is exact.
+
     Example::
 
         codec = DynamiQCodec(bits=5.0)
-        msg = codec.encode(x, summands=1)               # x: fp32, numel a multiple of 256
+        msg = codec.encode(x, summands=1)               # x: any size; msg has codec.message_bytes(x.numel(), 1) bytes
         x_hat = codec.decode(msg, x.numel(), summands=1)
     """
 
@@ -96,12 +101,15 @@ class DynamiQCodec(Codec):
     # ------------------------------------------------------------------ budget
     def payload_bits(self, summands: int) -> int:
         """Payload bits per group of 32 (``B``) of a message carrying ``summands`` chunks."""
+        if summands < 1:
+            raise ValueError(f"DynamiQ: a message carries the sum of at least 1 chunk, got summands={summands}.")
         if self.world_size is not None and summands >= self.world_size:
             return self.base
         return min(self.base + round(4 * math.log2(summands)), 8 * MAX_WIDTH)
 
     def message_bytes(self, numel: int, summands: int) -> int:
-        return numel // SUPER_GROUP * (SIDE_BYTES_PER_SG + 4 * self.payload_bits(summands))
+        """Bytes of the message of ``numel`` coordinates, padded to whole super-groups of 256."""
+        return _padded_numel(numel) // SUPER_GROUP * (SIDE_BYTES_PER_SG + 4 * self.payload_bits(summands))
 
     def prepare(self, chunks: Tensor, transfer: Transfer, group: ProcessGroup | None) -> Tensor:
         """Picks the largest base rate whose messages all fit in ``bits`` per coordinate."""
@@ -154,7 +162,12 @@ class DynamiQCodec(Codec):
         return self._buffers[key]
 
     def encode(self, x: Tensor, summands: int) -> Tensor:
-        x = x.detach().to(torch.float32).reshape(-1)
+        """The message of ``x`` (any size, zero-padded to whole super-groups) holding ``summands`` chunks."""
+        x = x.detach().reshape(-1).to(torch.float32).contiguous()
+        if x.numel() % SUPER_GROUP:
+            # zero padding changes no group's maximum and its all-zero groups cost no payload: the real coordinates
+            # get the codes they get in the padded tensor
+            x = torch.cat([x, x.new_zeros(_padded_numel(x.numel()) - x.numel())])
         if self._in_c(x):
             group_max = cpu_kernels.group_max(x, self._scratch("maxima", x.numel() // GROUP, torch.float32, x.device))
         else:
@@ -202,29 +215,32 @@ class DynamiQCodec(Codec):
     def accumulate(self, msg: Tensor, local: Tensor, summands: int) -> Tensor:
         """The fused Triton DAR on CUDA; elsewhere one pass decodes and adds (``decode(msg) + local`` to the
         bit), then the sum is encoded. Both give the bytes of the base class's decode + add + encode."""
+        if local.dtype == torch.float64 or local.numel() % SUPER_GROUP:
+            # fp64: the reference adds in fp64 and rounds the sum once. A size that is not whole super-groups: the
+            # padding decodes to ±half a cell (no grid level at 0), and must be zeros again in the sum it encodes.
+            return super().accumulate(msg, local, summands)
         if local.is_cuda and _HAS_TRITON:
             from lightning_fedshard.dynamiq import triton_dar
 
             return triton_dar.dar(self, msg, local, summands)
-        if local.dtype == torch.float64:  # the reference adds in fp64 and rounds the sum once
-            return super().accumulate(msg, local, summands)
         numel = local.numel()
         total = self._scratch("total", numel, torch.float32, local.device)
         group_max = self._decode_into(msg, numel, summands, local.detach().reshape(-1).to(torch.float32), total)
         return self._encode_with_max(total, group_max, summands + 1)
 
     def decode(self, msg: Tensor, numel: int, summands: int) -> Tensor:
-        values = torch.empty(numel, dtype=torch.float32, device=msg.device)
-        self._decode_into(msg, numel, summands, None, values)
-        return values
+        """The ``numel`` fp32 values of ``msg`` (the message of ``numel`` coordinates, any size)."""
+        values = torch.empty(_padded_numel(numel), dtype=torch.float32, device=msg.device)
+        self._decode_into(msg, values.numel(), summands, None, values)
+        return values[:numel]
 
     def _decode_into(self, msg: Tensor, numel: int, summands: int, local: Tensor | None, out: Tensor) -> Tensor:
-        """Writes ``decode(msg) (+ local)`` into ``out``; returns its group maxima."""
+        """Writes ``decode(msg) (+ local)`` into ``out`` (``numel`` coordinates, whole super-groups); returns its
+        group maxima."""
         budget = self.payload_bits(summands) * (numel // SUPER_GROUP)
         table = self._table(msg.device)
         stochastic = self.rounding == "stochastic"
-        if self._in_c(out):
-            check_message_size(msg, numel, budget)
+        if self._in_c(out):  # the wrapper checks the message's size against out's
             # the maxima of a sum are read by the encode that follows: a reused buffer
             maxima = self._scratch("maxima", numel // GROUP, torch.float32, out.device) if local is not None else None
             return cpu_kernels.decode_into(msg.contiguous(), budget, table, stochastic, local, out, maxima)
@@ -239,6 +255,17 @@ class DynamiQCodec(Codec):
         """Builds (or loads) the C kernels now, so that the first collective does not wait for the compiler."""
         if torch.device(device).type == "cpu":
             cpu_kernels.library()
+
+
+def _padded_numel(numel: int) -> int:
+    """``numel`` rounded up to whole super-groups of 256: the coordinates a message of ``numel`` carries."""
+    try:
+        size = operator.index(numel)
+    except TypeError:
+        size = -1
+    if size < 0:
+        raise ValueError(f"DynamiQ: a number of coordinates is a non-negative integer, got {numel!r}.")
+    return -(-size // SUPER_GROUP) * SUPER_GROUP
 
 
 # ---------------------------------------------------------------------------------------------- kernels

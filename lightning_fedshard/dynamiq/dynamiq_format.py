@@ -204,7 +204,12 @@ def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor,
 
 
 def check_message_size(msg: Tensor, numel: int, budget: int) -> None:
-    """Raises unless ``msg`` has the size of ``numel`` coordinates at ``budget`` width units."""
+    """Raises unless ``msg`` has the size of ``numel`` coordinates (whole super-groups) at ``budget`` width units."""
+    if numel % SUPER_GROUP:
+        raise ValueError(
+            f"DynamiQ messages hold whole super-groups of {SUPER_GROUP} coordinates, got {numel} "
+            "(DynamiQCodec pads tensors of other sizes)."
+        )
     expected = numel // SUPER_GROUP * SIDE_BYTES_PER_SG + 4 * budget
     if msg.numel() != expected:
         raise ValueError(

@@ -10,6 +10,7 @@ import torch
 
 from lightning_fedshard.dynamiq import DynamiQCodec, cpu_kernels
 from lightning_fedshard.dynamiq.codec import Codec
+from lightning_fedshard.dynamiq.dynamiq_format import MANTISSA_STEPS, scale_table
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="the C kernels need a C compiler"
@@ -98,3 +99,88 @@ def test_a_corrupt_message_is_rejected_and_nan_is_refused() -> None:
     x[12345] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         codec.encode(x, 1)
+
+
+def kernel_arguments() -> dict:
+    """Valid arguments of the three kernels for 512 coordinates (two super-groups) at 36 payload words each."""
+    x = torch.randn(512, generator=torch.Generator().manual_seed(1))
+    codec = DynamiQCodec(5.0)
+    budget = codec.payload_bits(1) * 2
+    msg = codec.encode(x, 1)
+    return {"x": x, "maxima": cpu_kernels.group_max(x), "budget": budget, "table": scale_table(), "msg": msg}
+
+
+def _encode(given: dict, **change) -> None:
+    a = given | change
+    steps = a.get("steps", MANTISSA_STEPS)
+    cpu_kernels.encode(a["x"], a["maxima"], a["budget"], a["table"], steps, a.get("key"), False, a.get("scratch"))
+
+
+def _decode(given: dict, **change) -> None:
+    a = given | change
+    cpu_kernels.decode_into(a["msg"], a["budget"], a["table"], False, a.get("local"), a.get("out", torch.empty(512)))
+
+
+#: Each call gives one kernel a length it would read or write past (or, for a remainder, silently drop).
+WRONG_LENGTHS = {
+    "group_max, x not whole groups": (
+        lambda a: cpu_kernels.group_max(a["x"][:100]),
+        "100 coordinates, not a multiple of 32",
+    ),
+    "group_max, out too short": (
+        lambda a: cpu_kernels.group_max(a["x"], torch.empty(3)),
+        "out has 3 elements, expected 16",
+    ),
+    "group_max, out of int32": (
+        lambda a: cpu_kernels.group_max(a["x"], torch.empty(16, dtype=torch.int32)),
+        "out must be",
+    ),
+    "encode, x not whole super-groups": (
+        lambda a: _encode(a, x=a["x"][:288], maxima=a["maxima"][:9]),
+        "288 coordinates, not a multiple of 256",
+    ),
+    "encode, too few maxima": (
+        lambda a: _encode(a, maxima=a["maxima"][:15]),
+        "group maxima has 15 elements, expected 16",
+    ),
+    "encode, short table": (lambda a: _encode(a, table=a["table"][:255]), "scale table has 255 elements, expected 256"),
+    "encode, short mantissa steps": (lambda a: _encode(a, steps=MANTISSA_STEPS[:6]), "mantissa steps has 6 elements"),
+    "encode, negative budget": (lambda a: _encode(a, budget=-1), "budget is a non-negative int, got -1"),
+    "encode, negative key": (lambda a: _encode(a, key=-5), "dither key is a non-negative int64, got -5"),
+    "encode, int64 width scratch": (
+        lambda a: _encode(a, scratch=(torch.empty(16, dtype=torch.int64), torch.empty(16, dtype=torch.int64))),
+        "width scratch must be a contiguous torch.int32",
+    ),
+    "decode, out not whole super-groups": (
+        lambda a: _decode(a, out=torch.empty(300)),
+        "300 coordinates, not a multiple of 256",
+    ),
+    "decode, message one byte short": (
+        lambda a: _decode(a, msg=a["msg"][:-1]),
+        "DynamiQ message of 317 bytes; 512 coordinates",
+    ),
+    "decode, message for fewer coordinates": (
+        lambda a: _decode(a, out=torch.empty(256)),
+        "DynamiQ message of 318 bytes; 256 coordinates",
+    ),
+    "decode, short table": (lambda a: _decode(a, table=a["table"][:200]), "scale table has 200 elements, expected 256"),
+    "decode, short local": (lambda a: _decode(a, local=torch.zeros(511)), "local has 511 elements, expected 512"),
+    "decode, negative budget": (lambda a: _decode(a, budget=-4), "budget is a non-negative int, got -4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_LENGTHS))
+def test_the_wrappers_refuse_every_length_the_kernels_would_overrun(monkeypatch, case) -> None:
+    monkeypatch.setenv("FEDSHARD_DYNAMIQ_COMPILE", "1")
+    arguments = kernel_arguments()
+    call, message = WRONG_LENGTHS[case]
+    with pytest.raises(ValueError, match=message):
+        call(arguments)
+    _encode(arguments)  # the valid arguments pass
+    _decode(arguments)
+
+
+def test_calling_a_kernel_that_is_off_says_so(monkeypatch) -> None:
+    monkeypatch.setenv("FEDSHARD_DYNAMIQ_COMPILE", "0")
+    with pytest.raises(RuntimeError, match="CPU kernels are turned off"):
+        cpu_kernels.group_max(torch.zeros(256))

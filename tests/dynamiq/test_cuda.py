@@ -17,7 +17,8 @@ from lightning_fedshard.dynamiq.dynamiq_codec import DynamiQCodec
 from lightning_fedshard.dynamiq.dynamiq_format import SUPER_GROUP, WIDTHS, split_message
 from tests.dynamiq.collective_worker import TOPOLOGIES, rank_input
 from tests.dynamiq.test_collective import MAX_VNMSE, vnmse
-from tests.dynamiq.test_triton_dar import DATA, assert_same_bytes, reference_dar
+from tests.dynamiq.test_dynamiq_codec import ANY_SIZES, quantization_bound, zero_padded
+from tests.dynamiq.test_triton_dar import DATA, assert_same_bytes, gaussian, reference_dar
 from tests.launching import run_isolated
 
 pytestmark = pytest.mark.cuda
@@ -53,6 +54,26 @@ def test_compiled_dar_is_bit_exact_for_every_width_mix(rounding: str) -> None:
                 assert_same_bytes(triton_dar.dar(codec, msg, local, summands), expected)
                 seen |= _widths(codec, expected, summands + 1)
     assert seen == set(WIDTHS)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_any_size_on_cuda_decodes_to_its_own_size(rounding: str) -> None:
+    """Issue 32 on CUDA: a size that is not whole super-groups sends the zero-padded tensor's message, decodes to
+    exactly its size within the quantization bound, and accumulates (the fused Triton DAR takes whole super-groups
+    only) as decode + add + encode."""
+    for numel in ANY_SIZES:
+        codec = DynamiQCodec(5.0, rounding=rounding, seed=3)
+        x, y = gaussian(numel, 0).cuda(), gaussian(numel, 1).cuda()
+        msg = codec.encode(x, 1)
+        assert msg.is_cuda and msg.numel() == codec.message_bytes(numel, 1)
+        assert_same_bytes(msg, codec.encode(zero_padded(x), 1))
+        x_hat = codec.decode(msg, numel, 1)
+        assert x_hat.shape == (numel,)
+        assert torch.all((x_hat - x).abs().double().cpu() <= quantization_bound(codec, msg.cpu(), numel, 1))
+        total = codec.accumulate(msg, y, 1)
+        assert_same_bytes(total, reference_dar(codec, msg, y, 1))
+        error = (codec.decode(total, numel, 2) - (x_hat + y)).abs().double().cpu()
+        assert torch.all(error <= quantization_bound(codec, total.cpu(), numel, 2))
 
 
 @pytest.fixture(scope="module")

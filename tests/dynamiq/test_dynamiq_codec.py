@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import ast
 import math
+import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import lightning_fedshard.dynamiq
-from lightning_fedshard.dynamiq import DynamiQCodec, simulate_all_reduce
-from lightning_fedshard.dynamiq.codec import Message, Transfer
+from lightning_fedshard.dynamiq import DynamiQCodec, cpu_kernels, simulate_all_reduce
+from lightning_fedshard.dynamiq.codec import Codec, Message, Transfer
 from lightning_fedshard.dynamiq.collective import plan_transfer
 from lightning_fedshard.dynamiq.dynamiq_codec import MAX_BITS
 from lightning_fedshard.dynamiq.dynamiq_format import (
     GROUP,
+    SUPER_GROUP,
     WIDTHS,
     allocate_widths,
     dither,
@@ -31,7 +34,7 @@ def inputs(numel: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     gaussian = torch.randn(numel, generator=gen)
     outlier = gaussian * 1e-3
-    outlier[numel // 3] = 3e38
+    outlier[numel // 3 : numel // 3 + 1] = 3e38  # none in an empty tensor
     return {
         "gaussian": gaussian,
         "zeros": torch.zeros(numel),
@@ -54,6 +57,20 @@ def test_message_size_depends_only_on_length_and_summands(numel, summands) -> No
     assert 8 * expected / numel == codec.payload_bits(summands) / 8 + 0.46875
 
 
+def quantization_bound(codec: DynamiQCodec, msg: torch.Tensor, numel: int, summands: int) -> torch.Tensor:
+    """Per coordinate of the message's ``numel`` values (padding cut off), the most its decoded value may differ
+    from what was encoded, from the group scale ``s`` and width ``w`` in its header (``L = 2^(w-1)``): half a cell
+    ``s/(2L)`` to nearest, under one step ``s/(L - ½)`` stochastically, and ``s`` (≥ the group max) for a group
+    sent with no bits, which decodes to 0; plus fp32 rounding."""
+    padded = -(-numel // SUPER_GROUP) * SUPER_GROUP
+    sg_scale, log_scales, widths, _ = split_message(msg, padded, codec.payload_bits(summands) * padded // 256)
+    scale = (sg_scale.repeat_interleave(8) * scale_table()[log_scales]).double()
+    levels = level_count(widths).double()
+    cell = scale / (levels - 0.5 if codec.rounding == "stochastic" else 2 * levels).clamp(min=0.5)
+    bound = torch.where(levels > 0, cell, scale) + 1e-6 * scale
+    return bound.repeat_interleave(GROUP)[:numel]
+
+
 @pytest.mark.parametrize("name", ["gaussian", "outlier", "constant", "layered", "sparse", "zeros"])
 def test_rounding_to_nearest_errs_by_at_most_half_a_step(name) -> None:
     codec = DynamiQCodec(5.0)
@@ -62,16 +79,80 @@ def test_rounding_to_nearest_errs_by_at_most_half_a_step(name) -> None:
     x_hat = codec.decode(msg, x.numel(), 1)
     sg_scale, log_scales, widths, _ = split_message(msg, x.numel(), codec.payload_bits(1) * x.numel() // 256)
     group_scale = sg_scale.repeat_interleave(8) * scale_table()[log_scales]
-    levels = level_count(widths).to(torch.float32)
     groups, decoded = x.view(-1, GROUP), x_hat.view(-1, GROUP)
-    coded = levels > 0
-    step = (group_scale / levels.clamp(min=1))[:, None]
+    coded = level_count(widths) > 0
     # midrise: a coordinate decodes to the centre of its cell, at most half a cell away (plus float rounding)
-    tolerance = 0.5 * step + 1e-6 * group_scale[:, None]
-    assert torch.all((decoded - groups).abs()[coded] <= tolerance.expand_as(groups)[coded])
+    assert torch.all((x_hat - x).abs().double() <= quantization_bound(codec, msg, x.numel(), 1))
     assert torch.all(decoded.abs() <= group_scale[:, None] * (1 + 1e-6))  # the group scale never clips
     assert torch.all(decoded[~coded] == 0)
     assert torch.all(widths[groups.abs().amax(dim=1) == 0] == 0)  # all-zero groups cost no payload
+
+
+#: The sizes of issue 32 (unaligned ones once decoded to garbage or to nothing) and random ones, fixed by a seed.
+ANY_SIZES = [0, 1, 31, 32, 100, 255, 256, 257, 1056, *random.Random(32).sample(range(2, 5000), 4)]
+
+
+@pytest.fixture(params=["torch", "c"])
+def kernels(request, monkeypatch) -> str:
+    """Runs a test on the torch functions, then on the C kernels (where a C compiler builds them)."""
+    if request.param == "c" and not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("the C kernels need a C compiler")
+    monkeypatch.setenv("FEDSHARD_DYNAMIQ_COMPILE", "1" if request.param == "c" else "0")
+    assert (cpu_kernels.library() is not None) == (request.param == "c")
+    return request.param
+
+
+def zero_padded(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(-x.numel() % SUPER_GROUP)])
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("numel", ANY_SIZES)
+def test_any_size_decodes_to_its_own_size_within_the_quantization_bound(kernels, numel, rounding) -> None:
+    for name, x in inputs(numel).items():
+        codec = DynamiQCodec(5.0, rounding=rounding, seed=3)
+        msg = codec.encode(x, 1)
+        assert msg.numel() == codec.message_bytes(numel, 1) == -(-numel // 256) * (15 + 4 * codec.payload_bits(1))
+        x_hat = codec.decode(msg, numel, 1)
+        assert x_hat.shape == (numel,), name
+        error = (x_hat.double() - x.double()).abs()
+        assert torch.all(error <= quantization_bound(codec, msg, numel, 1)), name
+        # the message of the tensor zero-padded by hand to whole super-groups, whose size the codec always took
+        assert torch.equal(msg, codec.encode(zero_padded(x), 1)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("numel", [1, 100, 257, 1056, ANY_SIZES[-1]])
+def test_accumulating_any_size_is_decode_add_encode(kernels, numel, dtype) -> None:
+    data = inputs(numel)
+    x, y = data["layered"], data["gaussian"].to(dtype)
+    codec = DynamiQCodec(5.0, rounding="stochastic", seed=3)
+    msg = codec.encode(x, 1)
+    total = codec.accumulate(msg, y, 1)
+    # the base class's decode + add + encode: the sum of the ``numel`` coordinates, zero-padded again (the padding
+    # of ``msg`` decodes to ±half a cell, which the sum must not carry)
+    assert torch.equal(total, Codec.accumulate(codec, msg, y, 1))
+    encoded = codec.decode(msg, numel, 1) + y  # what the accumulation encodes, in the dtype the codec adds in
+    error = (codec.decode(total, numel, 2).double() - encoded.to(torch.float32).double()).abs()
+    assert torch.all(error <= quantization_bound(codec, total, numel, 2))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda c, m: c.decode(m, 300, 1), "DynamiQ message of 159 bytes; 512 coordinates"),
+        (lambda c, m: c.decode(m, -1, 1), "non-negative integer, got -1"),
+        (lambda c, m: c.decode(m, 2.5, 1), "non-negative integer, got 2.5"),
+        (lambda c, m: c.message_bytes(-256, 1), "non-negative integer, got -256"),
+        (lambda c, m: c.encode(torch.ones(100), 0), "at least 1 chunk, got summands=0"),
+        (lambda c, m: c.accumulate(m, torch.ones(257), 1), "DynamiQ message of 159 bytes; 512 coordinates"),
+    ],
+)
+def test_sizes_that_do_not_fit_the_message_are_refused(kernels, call, message) -> None:
+    codec = DynamiQCodec(5.0)
+    msg = codec.encode(torch.ones(100), 1)
+    with pytest.raises(ValueError, match=message):
+        call(codec, msg)
 
 
 def test_group_log_scale_is_the_tightest_sixteenth_octave_above_the_group_max() -> None:
