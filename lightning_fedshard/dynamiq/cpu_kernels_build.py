@@ -108,12 +108,11 @@ def load_prebuilt(directory: Path) -> tuple[ctypes.CDLL, Path] | None:
 
     The baseline library is loaded first to ask the CPU's level: only it is sure to run on any CPU (a
     library's constructor may already use the instructions it was built for)."""
-    found = {
-        v.level: path
-        for v in VARIANTS
-        for suffix in EXTENSION_SUFFIXES
-        if (path := directory / f"{v.name}{suffix}").is_file()
-    }
+    found = {}
+    for variant in VARIANTS:  # this interpreter's own suffix first, as setup.py names them
+        paths = (directory / f"{variant.name}{suffix}" for suffix in EXTENSION_SUFFIXES)
+        if (path := next((p for p in paths if p.is_file()), None)) is not None:
+            found[variant.level] = path
     if BASELINE.level not in found:
         return None
     baseline = _open(found[BASELINE.level])
