@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test gpu-check
 
-$(STAMP): pyproject.toml
+# setup.py builds the DynamiQ CPU kernels into the package: a changed source is rebuilt by the next `make test`
+$(STAMP): pyproject.toml setup.py lightning_fedshard/dynamiq/cpu_kernels.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"

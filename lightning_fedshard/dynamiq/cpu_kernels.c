@@ -7,7 +7,8 @@
  * the groups: 15 ms eager and 5 ms compiled, against a 2 ms copy_ of the chunk. Here they are one loop.
  *
  * Bit-exactness: every float operation is the reference's, in its order, in fp32, built with
- * -ffp-contract=off so that no multiply-add is fused. Loaded through ctypes by cpu_kernels.py.
+ * -ffp-contract=off so that no multiply-add is fused. Built by setup.py at install (cpu_kernels_build.py) and
+ * loaded through ctypes by cpu_kernels.py. Portable C11 with the GCC/Clang vector extensions of GCC 8 on.
  */
 #include <math.h>
 #include <stdint.h>
@@ -130,16 +131,25 @@ static inline blocks_t transpose8(blocks_t x) {
     return x;
 }
 
+/* A byte shuffle by a constant pattern: Clang's __builtin_shufflevector, or GCC's __builtin_shuffle, which every
+ * GCC from 4.7 has (GCC has __builtin_shufflevector only from 12 on, and Ubuntu 22.04 and RHEL 8/9 ship 8 to 11).
+ * Both give the same instruction (one byte permute where the target has it). */
+#if defined(__clang__)
+#define SHUFFLE_BYTES(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE_BYTES(v, ...) __builtin_shuffle(v, (bytes_t){__VA_ARGS__})
+#endif
+
 /* Byte 8b + m of the blocks' planes to byte 4m + b of the plane words: codes to planes. */
 static inline bytes_t blocks_to_planes(bytes_t v) {
-    return __builtin_shufflevector(v, v, 0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27, 4, 12, 20, 28, 5,
-                                   13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+    return SHUFFLE_BYTES(v, 0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27, 4, 12, 20, 28, 5, 13, 21, 29, 6,
+                         14, 22, 30, 7, 15, 23, 31);
 }
 
 /* The inverse: byte 4m + b to byte 8b + m. */
 static inline bytes_t planes_to_blocks(bytes_t v) {
-    return __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29, 2, 6, 10, 14, 18,
-                                   22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    return SHUFFLE_BYTES(v, 0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29, 2, 6, 10, 14, 18, 22, 26, 30, 3,
+                         7, 11, 15, 19, 23, 27, 31);
 }
 
 /* torch.minimum(torch.maximum(floor(s), -L), L - 1) + L for finite s (fminf/fmaxf would not vectorise) */
@@ -264,3 +274,31 @@ int dq_decode(const uint8_t *msg, int64_t groups, int64_t budget, const float *t
     }
     return 0;
 }
+
+/* The x86-64 level this CPU and its OS run: 4 (AVX-512 F, BW, CD, DQ, VL), 3 (AVX2, FMA, BMI1/2), 2 (SSSE3,
+ * SSE4.1/4.2, POPCNT), else 0, as elsewhere than x86. The features are exactly those of each level's flags in
+ * cpu_kernels_build.py: the loader asks the baseline library and loads the highest level built up to this. */
+int dq_cpu_level(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("ssse3") && __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("sse4.2") &&
+          __builtin_cpu_supports("popcnt")))
+        return 0;
+    if (!(__builtin_cpu_supports("avx") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2")))
+        return 2;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")))
+        return 3;
+    return 4;
+#else
+    return 0;
+#endif
+}
+
+/* The SHA-256 of the source this library was built from (cpu_kernels_build.py passes it): the loader refuses
+ * a library built from other source, as an editable install's is after the source changes. */
+#ifndef DQ_SOURCE_SHA256
+#define DQ_SOURCE_SHA256 ""
+#endif
+const char *dq_source_sha256(void) { return DQ_SOURCE_SHA256; }

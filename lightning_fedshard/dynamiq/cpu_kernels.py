@@ -1,11 +1,15 @@
-"""DynamiQ's CPU kernels (``cpu_kernels.c``): built once per machine with the C compiler found here, loaded
-through ``ctypes``, and called on the tensors' memory. They give the bytes of the torch functions in
-``dynamiq_format`` and ``dynamiq_codec`` (the reference, and the fallback where no compiler is present or
-``FEDSHARD_DYNAMIQ_COMPILE=0``).
+"""DynamiQ's CPU kernels (``cpu_kernels.c``), loaded through ``ctypes`` and called on the tensors' memory. They
+give the bytes of the torch functions in ``dynamiq_format`` and ``dynamiq_codec`` (the reference, and the
+fallback where the kernels are missing or ``FEDSHARD_DYNAMIQ_COMPILE=0``).
 
-The shared library is cached under ``$FEDSHARD_CACHE_DIR`` (default ``~/.cache/lightning_fedshard``), named
-by a hash of the source, the compiler, its flags and the CPU's features, so a change of any of them builds
-anew and machines sharing a home directory never load each other's ``-march=native`` code.
+Which library runs (``origin()`` says, and a warning says so whenever it is not the first):
+
+1. **prebuilt**: built by ``setup.py`` at install, one per x86-64 level, the best one this CPU runs;
+2. **compiled** at run time with ``-march=native`` into a private per-user cache (``$FEDSHARD_CACHE_DIR``,
+   default ``~/.cache/lightning_fedshard``) where none was installed, once per node under a file lock;
+3. **torch**, where neither loads (no compiler, an unsafe cache directory, a failed build).
+
+``cpu_kernels_build`` has the details (flags, levels, the cache's checks).
 
 Example::
 
@@ -19,28 +23,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["decode_into", "encode", "group_max", "library"]
+from lightning_fedshard.dynamiq import cpu_kernels_build
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# -ffp-contract=off: no fused multiply-adds, so every float rounds as the torch reference's does; no trapping
-# math and no errno: they change no result and let float-to-int conversion and floor vectorise
-_FLAGS = (
-    "-O3", "-std=c11", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fno-strict-aliasing",
-    "-fPIC", "-shared",
-)  # fmt: skip
-_TUNINGS = (("-march=native", "-mprefer-vector-width=512"), ())  # the second where the first does not build
+__all__ = ["Origin", "decode_into", "encode", "group_max", "library", "origin"]
+
+_PREBUILT_DIR = Path(__file__).parent  # where setup.py's extensions land, in a wheel and in an editable install
+_TUNINGS = cpu_kernels_build.native_tunings(platform.machine())  # run-time compiling's flags, best first
 _GROUP, _GROUPS_PER_SG, _SIDE_BYTES_PER_SG = 32, 8, 15
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -50,74 +49,56 @@ _SIGNATURES = {
 }
 
 
+class Origin(NamedTuple):
+    """Which kernels run: ``"prebuilt"`` (built at install), ``"compiled"`` (at run time, cached), or
+    ``"torch"`` (none: the torch functions); ``path`` is the library's file."""
+
+    kind: Literal["prebuilt", "compiled", "torch"]
+    path: Path | None = None
+    lib: ctypes.CDLL | None = None
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or ``None`` where they are turned off or cannot be built (then a warning, once)."""
+    """The loaded kernels, or ``None`` where they are turned off or cannot be loaded (then a warning, once)."""
+    return origin().lib
+
+
+def origin() -> Origin:
+    """Where the kernels come from (loaded on the first call, with a warning unless prebuilt)."""
     setting = os.environ.get("FEDSHARD_DYNAMIQ_COMPILE", "auto").lower()
-    return None if setting in ("0", "off", "false", "no") else _load()
+    return Origin("torch") if setting in ("0", "off", "false", "no") else _load()
 
 
 @functools.cache
-def _load() -> ctypes.CDLL | None:
+def _load() -> Origin:
+    try:
+        found = cpu_kernels_build.load_prebuilt(_PREBUILT_DIR)
+        missing = f"no prebuilt CPU kernels in {_PREBUILT_DIR} (install the package with a C compiler)"
+    except OSError as error:
+        found, missing = None, f"the prebuilt CPU kernels do not load ({error})"
+    if found is not None:
+        return _bound(Origin("prebuilt", found[1], found[0]))
     compiler = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
     if compiler is None:
-        return None
-    errors = []
-    for tuning in _TUNINGS:
-        try:
-            lib = ctypes.CDLL(str(_build(compiler, (*_FLAGS, *tuning))))
-        except (OSError, subprocess.SubprocessError) as error:
-            errors.append(f"{' '.join(tuning) or 'portable'}: {str(error)[-300:]}")
-            continue
-        for name, (arguments, result) in _SIGNATURES.items():
-            function = getattr(lib, name)
-            function.argtypes, function.restype = arguments, result
-        return lib
-    warnings.warn(f"DynamiQ: the CPU kernels did not build ({'; '.join(errors)}); using torch.", stacklevel=3)
-    return None
-
-
-def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (compiler, version, *flags, _cpu_features())) + _SOURCE.read_bytes()
-    ).hexdigest()[:20]
-    directory = _cache_dir()
-    target = directory / f"dynamiq_cpu_{key}.so"
-    if target.exists():
-        return target
-    # built under a temporary name and renamed: processes building at once never load a half-written file
-    handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-    os.close(handle)
+        warnings.warn(f"DynamiQ: {missing} and no C compiler; using torch (slower).", stacklevel=4)
+        return Origin("torch")
     try:
-        subprocess.run(
-            [compiler, *flags, str(_SOURCE), "-o", partial, "-lm"], check=True, capture_output=True, timeout=120
-        )
-        os.replace(partial, target)
-    except subprocess.CalledProcessError as error:
-        raise subprocess.SubprocessError(error.stderr.decode(errors="replace")) from error
-    finally:
-        Path(partial).unlink(missing_ok=True)
-    return target
+        lib, path = cpu_kernels_build.compile_cached(compiler, _TUNINGS)
+    except PermissionError as error:
+        warnings.warn(f"DynamiQ: {missing}; {error}; using torch (slower).", stacklevel=4)
+        return Origin("torch")
+    except (OSError, subprocess.SubprocessError) as error:
+        warnings.warn(f"DynamiQ: {missing}, and compiling them failed: {error}; using torch (slower).", stacklevel=4)
+        return Origin("torch")
+    warnings.warn(f"DynamiQ: {missing}; using {path}, compiled at run time with {compiler}.", stacklevel=4)
+    return _bound(Origin("compiled", path, lib))
 
 
-def _cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_fedshard"
-    for directory in (Path(os.environ.get("FEDSHARD_CACHE_DIR") or default), Path(tempfile.gettempdir())):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            if os.access(directory, os.W_OK):
-                return directory
-        except OSError:
-            continue
-    raise OSError("no writable cache directory for the DynamiQ CPU kernels")
-
-
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.machine() + platform.processor()
+def _bound(found: Origin) -> Origin:
+    for name, (arguments, result) in _SIGNATURES.items():
+        function = getattr(found.lib, name)
+        function.argtypes, function.restype = arguments, result
+    return found
 
 
 def _address(t: Tensor | None) -> int | None:

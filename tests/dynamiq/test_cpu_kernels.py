@@ -63,22 +63,27 @@ def test_c_kernels_give_the_bytes_of_the_torch_reference(monkeypatch, bits, roun
         assert torch.equal(c[1], c[2])  # the fused decode-and-add is decode + add + encode, to the byte
 
 
-def test_the_portable_build_gives_the_same_bytes(monkeypatch) -> None:
+def test_the_portable_build_gives_the_same_bytes(monkeypatch, tmp_path) -> None:
     x, y = inputs()["layered"], inputs()["heavy"]
-    native = torch_and_c(monkeypatch, x, y, 5.0, "stochastic")[1]
-    monkeypatch.setattr(cpu_kernels, "_TUNINGS", ((),))  # no -march=native: plain SSE2 / scalar code
+    monkeypatch.setattr(cpu_kernels, "_PREBUILT_DIR", tmp_path)  # none installed: compiled at run time
     cpu_kernels._load.cache_clear()
     try:
+        reference, native = torch_and_c(monkeypatch, x, y, 5.0, "stochastic")
+        assert cpu_kernels.origin().kind == "compiled"
+        monkeypatch.setattr(cpu_kernels, "_TUNINGS", ((),))  # no -march=native: plain SSE2 / scalar code
+        cpu_kernels._load.cache_clear()
         portable = hops(x, y, 5.0, "stochastic")
     finally:
         cpu_kernels._load.cache_clear()
-    assert all(torch.equal(a, b) for a, b in zip(native, portable, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(reference, native, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(reference, portable, strict=True))
 
 
-def test_without_a_compiler_the_codec_runs_in_torch(monkeypatch) -> None:
+def test_without_a_compiler_the_codec_runs_in_torch(monkeypatch, tmp_path) -> None:
     x = inputs()["layered"]
     expected = DynamiQCodec(5.0).encode(x, 1)
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels, "_PREBUILT_DIR", tmp_path)  # and none installed
     cpu_kernels._load.cache_clear()
     try:
         assert cpu_kernels.library() is None
