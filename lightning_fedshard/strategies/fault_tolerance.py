@@ -147,7 +147,7 @@ class ManagerTransport:
     current quorum (torchft sums, then divides by the number of participants it counted for this round).
 
     A failed all-reduce does not raise: torchft records the error, the round's ``should_commit`` vote fails and
-    :class:`FederationMember` restores the state from before the round.
+    :class:`FederationMember` does not apply the round.
 
     With DynamiQ (:meth:`start_compressed_mean_`) each group encodes its contribution once and the messages are
     all-gathered over the Manager's process group (``pg``, reconfigured by torchft at every quorum); every group
@@ -179,7 +179,7 @@ class ManagerTransport:
             stats.record(flat.numel(), coords * flat.element_size(), coords, compressed=False)
             return self.start_mean_(flat)
         if manager.errored():
-            return None  # the round is lost already: its vote fails and the state is restored
+            return None  # the round is lost already: its vote fails and it is not applied
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         padded = flat.new_zeros(flat.numel() + -flat.numel() % codec.block, dtype=torch.float32)
