@@ -15,6 +15,7 @@ BENCHMARKS = {
     "gpu-check": "lightning_fedshard.bench.gpu_check",
     "optimizers": "lightning_fedshard.bench.optimizers",
     "faults": "lightning_fedshard.bench.faults",
+    "ft-memory": "lightning_fedshard.bench.ft_memory",
 }
 
 

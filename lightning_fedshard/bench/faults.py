@@ -145,6 +145,7 @@ class Federation:
             **os.environ,
             "TORCHFT_LIGHTHOUSE": self.lighthouse.address(),
             "REPLICA_GROUP_ID": str(group),
+            "NUM_REPLICA_GROUPS": "2",  # each group reads its own half of the data
             PROBE_ENV: str(self.probe(group)),
             STOP_ENV: str(self.steps),
         }

@@ -12,6 +12,8 @@ guesses.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import os
 import socket
@@ -19,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from lightning_fedshard.dynamiq.codec import Codec
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.dynamiq.telemetry import CompressionStats
 
-__all__ = ["FaultTolerance", "FederationMember", "ManagerTransport"]
+__all__ = ["FaultTolerance", "FederationMember", "ManagerTransport", "load_trainer_progress", "trainer_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,14 @@ log = logging.getLogger(__name__)
 ENV = {
     "lighthouse": "TORCHFT_LIGHTHOUSE",
     "group_id": "REPLICA_GROUP_ID",
+    "num_groups": "NUM_REPLICA_GROUPS",
     "min_groups": "TORCHFT_MIN_GROUPS",
     "timeout": "TORCHFT_TIMEOUT_SEC",
     "quorum_timeout": "TORCHFT_QUORUM_TIMEOUT_SEC",
     "connect_timeout": "TORCHFT_CONNECT_TIMEOUT_SEC",
 }
+T = TypeVar("T")
+
 #: Seconds between two quorum requests of a group that waits for ``min_groups``.
 MIN_GROUPS_POLL_S = 1.0
 
@@ -59,6 +64,12 @@ class FaultTolerance:
         lighthouse: The torchft Lighthouse, ``http://host:port`` (``TORCHFT_LIGHTHOUSE``).
         group_id: This federation group's number, an integer ≥ 0 unique among the groups (``REPLICA_GROUP_ID``).
             Rank k of group g meets rank k of every other group; all groups must shard alike.
+        num_groups: How many federation groups the federation has (``NUM_REPLICA_GROUPS``, the name torchft's
+            examples use), ``group_id < num_groups``. The data is split into this many parts, one per group, as
+            one job of ``num_groups`` groups would split it: group g's rank r reads part ``g · R·S + r`` of
+            ``num_groups · R·S``. It is the planned size, not who is present: the Manager counts those at every
+            round, and a round with more groups present than ``num_groups`` is refused (they would read the same
+            data).
         min_groups: Groups a round needs (``TORCHFT_MIN_GROUPS``, default 1). With fewer, the group waits at its
             next round, logging who is missing, for at most ``quorum_timeout``.
         timeout: How long one cross-group all-reduce, commit vote or checkpoint transfer waits (default 60 s):
@@ -70,13 +81,14 @@ class FaultTolerance:
 
     Example::
 
-        ft = FaultTolerance(lighthouse="http://head:29510", group_id=0, min_groups=2)
+        ft = FaultTolerance(lighthouse="http://head:29510", group_id=0, num_groups=2, min_groups=2)
         trainer = Trainer(strategy=FLFSDPStrategy(sync_every=8, fault_tolerance=ft), devices=4)
         trainer = Trainer(strategy=FLFSDPStrategy(fault_tolerance=FaultTolerance()))  # all from the environment
     """
 
     lighthouse: str | None = None
     group_id: int | None = None
+    num_groups: int | None = None
     min_groups: int | None = None
     timeout: timedelta | None = None
     quorum_timeout: timedelta | None = None
@@ -98,9 +110,20 @@ class FaultTolerance:
         if group_id is None:
             raise ValueError(f"{name}: no federation group id; pass group_id=<k> or set {ENV['group_id']}.")
         _check_count(group_id, "group_id", 0, name)
+        num_groups = self.num_groups if self.num_groups is not None else _env_int(env, "num_groups", name)
+        if num_groups is None:
+            raise ValueError(
+                f"{name}: no federation size; pass num_groups=<F> or set {ENV['num_groups']}: each group reads"
+                " its own 1/F of the data (without it every group would read the same samples)."
+            )
+        _check_count(num_groups, "num_groups", 1, name)
+        if group_id >= num_groups:
+            raise ValueError(f"{name}: `group_id`={group_id} must be below `num_groups`={num_groups}.")
         min_groups = self.min_groups if self.min_groups is not None else _env_int(env, "min_groups", name)
         min_groups = 1 if min_groups is None else min_groups
         _check_count(min_groups, "min_groups", 1, name)
+        if min_groups > num_groups:
+            raise ValueError(f"{name}: `min_groups`={min_groups} is more than `num_groups`={num_groups}.")
         timeouts = {
             key: _env_seconds(env, key, name) or check_timeout(getattr(self, key), f"{name}.{key}") or default
             for key, default in (
@@ -111,8 +134,8 @@ class FaultTolerance:
         }
         heartbeat = check_timeout(self.heartbeat_interval, f"{name}.heartbeat_interval")
         return replace(
-            self, lighthouse=lighthouse, group_id=group_id, min_groups=min_groups, heartbeat_interval=heartbeat,
-            **timeouts,
+            self, lighthouse=lighthouse, group_id=group_id, num_groups=num_groups, min_groups=min_groups,
+            heartbeat_interval=heartbeat, **timeouts,
         )  # fmt: skip
 
     @property
@@ -126,7 +149,7 @@ class ManagerTransport:
     current quorum (torchft sums, then divides by the number of participants it counted for this round).
 
     A failed all-reduce does not raise: torchft records the error, the round's ``should_commit`` vote fails and
-    :class:`FederationMember` restores the state from before the round.
+    :class:`FederationMember` does not apply the round.
 
     With DynamiQ (:meth:`start_compressed_mean_`) each group encodes its contribution once and the messages are
     all-gathered over the Manager's process group (``pg``, reconfigured by torchft at every quorum); every group
@@ -158,7 +181,7 @@ class ManagerTransport:
             stats.record(flat.numel(), coords * flat.element_size(), coords, compressed=False)
             return self.start_mean_(flat)
         if manager.errored():
-            return None  # the round is lost already: its vote fails and the state is restored
+            return None  # the round is lost already: its vote fails and it is not applied
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         padded = flat.new_zeros(flat.numel() + -flat.numel() % codec.block, dtype=torch.float32)
@@ -187,13 +210,14 @@ class FederationMember:
     group that heals from it.
 
     ``params`` are the FSDP parameters (DTensors), ``outer_state`` / ``load_outer_state`` the averager's global
-    copies and outer momentum, and ``counters`` / ``load_counters`` the strategy's round counters (optimizer steps,
-    syncs), so that a healed group syncs at the same steps as the others.
+    copies and outer momentum, and ``progress`` / ``load_progress`` where training stands: the strategy's round
+    counters (optimizer steps, syncs) and the trainer's step, learning-rate schedulers and data position, so that
+    a healed group syncs at the same steps as the others, reads on where they read and stops with them.
 
     Example::
 
         member = FederationMember(ft.resolve(), rank=0, world_size=2, params=model.named_parameters(), ...)
-        committed = member.run_round(averager.sync)  # every rank of the group calls it at the same step
+        committed = member.run_round(average, apply)  # every rank of the group calls it at the same step
     """
 
     def __init__(
@@ -205,8 +229,8 @@ class FederationMember:
         params: list[tuple[str, nn.Parameter]],
         outer_state: Callable[[], dict[str, dict[str, DTensor]]],
         load_outer_state: Callable[[dict[str, dict[str, DTensor]]], None],
-        counters: Callable[[], dict[str, int]],
-        load_counters: Callable[[dict[str, int]], None],
+        progress: Callable[[], dict[str, Any]],
+        load_progress: Callable[[dict[str, Any]], None],
         backend: str = "gloo",
     ) -> None:
         require_extra("torchft", "ft", f"{type(config).__name__} (fault-tolerant federation groups)")
@@ -216,8 +240,8 @@ class FederationMember:
         self._params = params
         self._outer_state = outer_state
         self._load_outer_state = load_outer_state
-        self._counters = counters
-        self._load_counters = load_counters
+        self._progress = progress
+        self._load_progress = load_progress
         timeout = config.timeout
         assert timeout is not None and config.quorum_timeout is not None, "resolve() the FaultTolerance first"
         pg = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
@@ -242,16 +266,22 @@ class FederationMember:
         self.rounds_failed = 0
         self.last_participants = 0
 
-    def run_round(self, average: Callable[[], None]) -> bool:
-        """One cross-group round: quorum (healing this group first if it is behind), ``average``, then the
-        group's vote. Returns whether the round was applied; if not, the state from before it is restored."""
+    def run_round(self, average: Callable[[], T], apply: Callable[[T], None]) -> bool:
+        """One cross-group round: quorum (healing this group first if it is behind), ``average``, the group's
+        vote, then ``apply`` if the vote passed. Returns whether the round was applied.
+
+        ``average`` must leave the model and the outer state untouched: it returns the finished averages in
+        buffers of its own (waited for, so that a failed all-reduce has reached the vote), and only ``apply``
+        writes them back. A failed vote therefore leaves the state as it was before the round with nothing to
+        restore, as torchft's own DiLoCo votes before its outer step: no copy of the parameters, global copies
+        and momentum is kept during the round.
+        """
         self._start_quorum()
-        before = self._snapshot()
-        average()
+        averages = average()
         if self.manager.should_commit():
+            apply(averages)
             return True
         self.rounds_failed += 1
-        self._restore(before)
         log.warning(
             "federation group %s: round %d was not applied (a peer failed or too few groups); the group keeps its"
             " state from before the round and rejoins at the next one",
@@ -267,6 +297,14 @@ class FederationMember:
             self.manager.start_quorum(timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
             present = self.manager.num_participants()
             self.last_participants = present
+            if present > self.config.num_groups:
+                raise RuntimeError(
+                    f"federation group {self.config.group_id}: the Lighthouse {self.config.lighthouse} counts"
+                    f" {present} groups in this round, more than num_groups={self.config.num_groups}: the data is"
+                    f" split into {self.config.num_groups} parts, so some groups would train on the same samples."
+                    " Give every group the same num_groups (NUM_REPLICA_GROUPS), the federation's size, and"
+                    " distinct group ids below it."
+                )
             if present >= self.config.min_groups:
                 if waiting_since is not None:
                     log.warning(
@@ -295,12 +333,6 @@ class FederationMember:
                 )
             time.sleep(MIN_GROUPS_POLL_S)
 
-    def _snapshot(self) -> dict[str, Any]:
-        return self._state_dict()
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        self._load_state_dict(state)
-
     # ---- what a healing group receives ------------------------------------------------------------------
 
     @torch.no_grad()
@@ -312,7 +344,7 @@ class FederationMember:
                 part: {name: t.to_local().detach().clone() for name, t in tensors.items()}
                 for part, tensors in self._outer_state().items()
             },
-            "counters": dict(self._counters()),
+            "progress": self._progress(),
         }
 
     @torch.no_grad()
@@ -332,7 +364,7 @@ class FederationMember:
                 for part, tensors in state["outer"].items()
             }
         )
-        self._load_counters(state["counters"])
+        self._load_progress(state["progress"])
 
     # ---- checkpoints and shutdown -------------------------------------------------------------------------
 
@@ -379,3 +411,123 @@ def _env_seconds(env: Any, key: str, owner: str) -> timedelta | None:
     if not seconds > 0:
         raise ValueError(f"{owner}: {ENV[key]}={text!r} must be a positive number of seconds.")
     return timedelta(seconds=seconds)
+
+
+# ---- where training stands: what a healing group takes besides the model -------------------------------------
+
+
+def trainer_progress(trainer: Any, in_step: bool) -> dict[str, Any]:
+    """The trainer's position for a group that heals from this one: Lightning's loop progress (global step, epoch,
+    batches read), the learning-rate schedulers and the optimizers' scheduled hyperparameters (learning rate,
+    momentum, ...: the ``param_groups`` entries other than the parameters).
+
+    ``in_step`` says that the round runs inside an optimizer step (the usual case), whose end (optimizer step and
+    batch counted, step-interval schedulers stepped) Lightning has not reached yet; the healed group completes it
+    as Lightning would (:func:`load_trainer_progress`). Copies: torchft serves the state by reference.
+    """
+    return copy.deepcopy(
+        {
+            "loops": trainer.fit_loop.state_dict(),
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "hyperparameters": [
+                [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+                for optimizer in trainer.optimizers
+            ],
+            "in_step": in_step,
+        }
+    )
+
+
+def load_trainer_progress(trainer: Any, state: dict[str, Any], joining: bool) -> None:
+    """Takes a peer's :func:`trainer_progress`. The schedulers and hyperparameters are always taken. The loop
+    position (global step, epoch, data) only when this group is ``joining`` (its first round, before its first
+    batch): the group then goes on from the peer's step as if resumed from a checkpoint the peer saved at the end
+    of it, and its training data loaders start at the peer's epoch and skip the batches the peer has read in it
+    (each group reads its own part of the data, so these are the batches this group would have read), so that it
+    neither replays nor skips data and stops at ``max_steps`` with the others. A group that heals later (its vote
+    failed) is at the peers' step already."""
+    for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
+        config.scheduler.load_state_dict(scheduler_state)
+    for optimizer, groups in zip(trainer.optimizers, state["hyperparameters"], strict=True):
+        for group, values in zip(optimizer.param_groups, groups, strict=True):
+            group.update(values)
+    fit_loop = trainer.fit_loop
+    if not joining:
+        theirs = _global_step(trainer, state["loops"])
+        if theirs != fit_loop.epoch_loop.global_step:
+            log.warning(
+                "federation group healed from a peer at global step %d while at %d; the data position is kept",
+                theirs,
+                fit_loop.epoch_loop.global_step,
+            )
+        return
+    fit_loop.load_state_dict(state["loops"])
+    epoch_loop = fit_loop.epoch_loop
+    if state["in_step"]:  # the end of the peer's step, with Lightning's own bookkeeping
+        manual = not trainer.lightning_module.automatic_optimization
+        step = (
+            epoch_loop.manual_optimization.optim_step_progress
+            if manual
+            else epoch_loop.automatic_optimization.optim_progress.optimizer.step
+        )
+        step.increment_completed()
+        epoch_loop.batch_progress.increment_processed()
+        epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+        if epoch_loop._num_ready_batches_reached():
+            epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+    fit_loop.reset()  # restarting from here, as from a checkpoint saved there (load_state_dict marked it)
+    batches = epoch_loop.batch_progress.current
+    read = batches.processed if state["in_step"] else batches.completed
+    if read >= trainer.num_training_batches:
+        read = 0  # the peer's step ended its epoch: the reset above moved on to the next
+    _start_data_at(trainer, fit_loop.epoch_progress.current.processed, read)
+
+
+def _global_step(trainer: Any, loops: dict[str, Any]) -> int:
+    if trainer.lightning_module.automatic_optimization:
+        return loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]["completed"]
+    return loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]["completed"]
+
+
+def _start_data_at(trainer: Any, epoch: int, batches: int) -> None:
+    """Restarts the training data at ``epoch``, skipping its first ``batches`` batches by sampler index (nothing
+    is loaded for them). A loader without a batch sampler (an iterable dataset) starts its stream afresh: its
+    position is the dataset's own, which is said."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from torch.utils.data import BatchSampler, DataLoader
+
+    fit_loop = trainer.fit_loop
+    if fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
+        return  # no training data (limit_train_batches=0)
+    for loader in fit_loop._combined_loader.flattened:
+        _set_sampler_epoch(loader, epoch)
+        batch_sampler = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
+        if isinstance(batch_sampler, BatchSampler):
+            batch_sampler.sampler = _SkipOnce(batch_sampler.sampler, batches * batch_sampler.batch_size)
+        elif batches:
+            log.warning(
+                "federation group joined at batch %d of epoch %d, but its training data %s has no batch sampler to"
+                " skip by: it reads from its start, repeating what the group read before",
+                batches,
+                epoch,
+                type(loader).__name__,
+            )
+    iter(fit_loop._data_fetcher)  # a fresh iterator: the epoch's order, from the position
+
+
+class _SkipOnce:
+    """A sampler whose next pass leaves out its first ``skip`` indices (later passes are whole)."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = (sampler.sampler, skip) if isinstance(sampler, _SkipOnce) else (sampler, skip)
+
+    def __iter__(self) -> Any:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)

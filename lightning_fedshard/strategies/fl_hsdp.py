@@ -49,7 +49,12 @@ from lightning_fedshard.strategies.apply import (
 )
 from lightning_fedshard.strategies.averager import OUTER_OPTIMIZERS, SYNC_MODES, FedAverager, PendingAverage, like_param
 from lightning_fedshard.strategies.dims import FedShardDims
-from lightning_fedshard.strategies.fault_tolerance import FaultTolerance, FederationMember
+from lightning_fedshard.strategies.fault_tolerance import (
+    FaultTolerance,
+    FederationMember,
+    load_trainer_progress,
+    trainer_progress,
+)
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     FILES_KEY,
@@ -117,8 +122,9 @@ class FLHSDPStrategy(ModelParallelStrategy):
             SIGTERM stop exits with status 143 (:class:`~lightning_fedshard.distributed.JobEnd`).
         fault_tolerance: Off by default. A :class:`~lightning_fedshard.strategies.fault_tolerance.FaultTolerance`
             makes this job one federation group (``num_groups`` 1 or ``None``) that averages with the other groups'
-            jobs through torchft: a group that dies is left out, one that restarts heals from a live peer
-            (docs/fault_tolerance.md).
+            jobs through torchft: a group that dies is left out, one that restarts heals from a live peer and goes
+            on from its step, learning rate and data position (docs/fault_tolerance.md). Each group reads its own
+            part of the data, the samples it would read as group ``group_id`` of one job of ``num_groups``.
 
     With ``precision="bf16-mixed"`` the FSDP2 units gather parameters in bf16 and reduce gradients in fp32
     (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay in fp32. A model built on the
@@ -204,6 +210,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
             )
         self.fault_tolerance = fault_tolerance
         self._member: FederationMember | None = None
+        self._joining = False  # the joining round (train start) runs: a heal then takes the peers' position
+        self._in_step = False  # a round inside an optimizer step, whose end Lightning has not counted yet
         self._num_groups = num_groups
         self._shard_size = shard_size
         self._replicate_size = replicate_size
@@ -324,8 +332,23 @@ class FLHSDPStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of every group reads different samples.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # Every rank of every group reads different samples. Under fault tolerance this job is one group of
+        # the federation: its ranks take the parts that one job of all the groups would give this group's ranks.
+        if self.fault_tolerance is None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}  # the groups are contiguous ranks
+        group, groups = self.federation_group
+        return {"num_replicas": groups * self.world_size, "rank": group * self.world_size + self.global_rank}
+
+    @property
+    def federation_group(self) -> tuple[int, int]:
+        """``(group id, number of groups)`` of the federation this rank trains in, the same with or without fault
+        tolerance (then from its :class:`FaultTolerance` config, which the torchft Manager's membership is
+        checked against at every round). An iterable dataset that cannot be split by rank can seed its
+        stream with the group id so that the groups read different data."""
+        if self.fault_tolerance is not None:
+            ft = self.fault_tolerance.resolve()
+            return ft.group_id, ft.num_groups
+        return self.group_index, self.dims.num_groups
 
     # ---- model --------------------------------------------------------------------------------------
 
@@ -424,14 +447,20 @@ class FLHSDPStrategy(ModelParallelStrategy):
             params=list(self.model.named_parameters()),
             outer_state=lambda: self._averager.state_dict() if self._averager else {},
             load_outer_state=lambda state: self._averager.load_state_dict(state) if self._averager else None,
-            counters=lambda: {key: getattr(self, key) for key in _ROUND_COUNTERS},
-            load_counters=self._load_round_counters,
+            progress=self._federation_progress,
+            load_progress=self._load_federation_progress,
             backend=self._process_group_backend or "gloo",
         )
 
-    def _load_round_counters(self, counters: dict[str, int]) -> None:
+    def _federation_progress(self) -> dict[str, Any]:
+        progress: dict[str, Any] = {key: getattr(self, key) for key in _ROUND_COUNTERS}
+        progress["trainer"] = trainer_progress(self.lightning_module.trainer, self._in_step)
+        return progress
+
+    def _load_federation_progress(self, progress: dict[str, Any]) -> None:
         for key in _ROUND_COUNTERS:
-            setattr(self, key, counters[key])
+            setattr(self, key, progress[key])
+        load_trainer_progress(self.lightning_module.trainer, progress["trainer"], joining=self._joining)
 
     def _compression(self, traffic: str) -> Compression | None:
         """The ``DynamiQ`` plugin's settings when it asks for ``traffic`` to be compressed."""
@@ -456,7 +485,11 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if self._schedule is not None:
             self.stream_sync()
         elif self.optimizer_steps % self.sync_every == 0:
-            self.fed_sync()
+            self._in_step = True
+            try:
+                self.fed_sync()
+            finally:
+                self._in_step = False
         self._log_communication()
         return output
 
@@ -476,16 +509,35 @@ class FLHSDPStrategy(ModelParallelStrategy):
         reshard_all(self.model)
         if self._member is None:
             self._averager.sync()
-        elif not self._member.run_round(self._averager.sync):
+        elif not self._member.run_round(self._average, self._apply_average):
             return
         self.syncs += 1
         self._steps_at_last_sync = self.optimizer_steps
+
+    def _average(self) -> list[PendingAverage]:
+        """The round's averages, waited for, in buffers of their own: the model and the outer state are untouched
+        until :meth:`_apply_average`, so a round the group votes down needs nothing restored."""
+        assert self._averager is not None
+        pending = [self._averager.start(fragment) for fragment in range(len(self._averager.fragments))]
+        for average in pending:
+            self._averager.complete(average)
+        return pending
+
+    def _apply_average(self, pending: list[PendingAverage]) -> None:
+        assert self._averager is not None
+        for average in pending:
+            self._averager.finish(average)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self._member is not None:
-            self.fed_sync()  # join: a group that starts late or restarts takes the federation's current state
+            # join: a group that starts late or restarts takes the federation's current state and position
+            self._joining = True
+            try:
+                self.fed_sync()
+            finally:
+                self._joining = False
 
     @override
     def on_train_end(self) -> None:

@@ -3,7 +3,9 @@
 One launch (tests/strategies/ft_worker.py) plays the whole story, and the tests below read its records: group 0
 trains alone, group 1 joins late, then three times over one rank of group 1 is killed with SIGKILL mid-interval,
 group 0 trains on alone, and group 1 is restarted and rejoins. The groups train with DiLoCo's outer optimizer, so a
-rejoining group must receive the global copies and the outer momentum as well as the parameters.
+rejoining group must receive the global copies and the outer momentum as well as the parameters; and with shuffled
+data and a learning rate that decays every step, so a rejoining group must also take the peers' step, learning rate
+and data position.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from lightning_fedshard.distributed.processes import RunProcess
 from tests.launching import REPO
+from tests.strategies.ft_worker import NUM_SAMPLES, Indexed, lr_at
 
 pytestmark = pytest.mark.multiproc
 
@@ -43,7 +47,7 @@ class Group:
     _records: dict[Path, dict] = field(default_factory=dict)
 
     def start(self, **settings) -> None:
-        config = self.out / f"g{self.index}_config.json"
+        config = self.out / f"g{self.index}_config{len(self.launches)}.json"
         config.write_text(
             json.dumps(
                 {
@@ -91,6 +95,18 @@ class Group:
             if (pids is None or int(pid) in pids) and groups in (None, int(in_round.removeprefix("groups"))):
                 found[int(round_.removeprefix("round"))] = path
         return found
+
+    def reads(self, rank: int) -> dict[int, list[dict]]:
+        """The training batches each launch's ``rank`` read, by launch pid."""
+        return {
+            int(path.stem.rpartition("data")[2]): json.loads(path.read_text())
+            for path in self.out.glob(f"g{self.index}_r{rank}_data*.json")
+        }
+
+    def end(self, rank: int) -> dict:
+        """Where ``rank`` stood when training ended (only a launch that was not killed gets there)."""
+        (path,) = self.out.glob(f"g{self.index}_r{rank}_end*.json")
+        return json.loads(path.read_text())
 
     def record(self, path: Path) -> dict:
         if path not in self._records:
@@ -175,8 +191,9 @@ def story(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compressed_story(tmp_path_factory):
-    """The same with one rank per group and DynamiQ-compressed rounds (bits=5), one outage."""
-    yield from play(tmp_path_factory.mktemp("ft_dynamiq"), 1, devices=1, bits=5.0)
+    """The same with one rank per group and DynamiQ-compressed rounds (bits=5), one outage; each launch of group 1
+    votes down its first round after joining."""
+    yield from play(tmp_path_factory.mktemp("ft_dynamiq"), 1, devices=1, bits=5.0, fail_group=1, fail_round=1)
 
 
 def nesterov_step(reference, momentum, mean_pseudo_grad):
@@ -342,3 +359,105 @@ def test_a_federation_restarted_whole_resumes_from_its_checkpoints(tmp_path):
                 assert torch.equal(rejoined["pre"][part][name], tensor), (part, name)
                 assert torch.equal(rejoined["post"][part][name], ended["post"][part][name]), (part, name)
         assert max(after) > min(after)  # and it trained on together past the checkpoint
+
+
+BATCH = 4  # the worker's batch size
+
+
+def expected_batch(group: int, rank: int, ranks: int, epoch: int, batch: int) -> list[int]:
+    """What rank ``rank`` of group ``group`` reads as batch ``batch`` of ``epoch`` in one job of both groups, from
+    torch's DistributedSampler as Lightning sets it up (shuffled, seed 0, the epoch set before each pass)."""
+    sampler = DistributedSampler(Indexed(), num_replicas=2 * ranks, rank=group * ranks + rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)[batch * BATCH : (batch + 1) * BATCH]
+
+
+def test_each_group_reads_its_own_part_the_part_it_reads_without_fault_tolerance(compressed_story, tmp_path):
+    """Two groups under fault tolerance (one rank each) and the same two groups as one job without it (real gloo
+    processes): at every global step the groups' batches are disjoint, their union is the one job's, and each
+    group's batch is what the one job's group reads; a group restarted after a kill reads on where it should."""
+    g0, g1, events = compressed_story
+    assert events["returncodes"] == [0, 0], events["logs"][1][-4000:]
+    steps = g0.end(0)["global_step"]  # some ten epochs of 32 batches
+    reference = Group("nf", tmp_path, "")
+    # what a rank reads does not depend on the rounds: the reference runs without any until the end, for speed
+    reference.start(devices=2, fault_tolerance=False, max_steps=steps, sync_every=steps, timeout_s=120, step_sleep_s=0)
+    try:
+        reference.launcher.wait(timeout=WAIT_S)
+    finally:
+        reference.kill_all()
+    assert reference.launcher.returncode == 0, reference.log()[-4000:]
+
+    def by_step(group: Group, rank: int = 0) -> dict[int, list[int]]:
+        found: dict[int, list[int]] = {}
+        for reads in group.reads(rank).values():
+            for read in reads:
+                assert found.setdefault(read["step"], read["index"]) == read["index"], read  # no step read twice
+        return found
+
+    without = [by_step(reference, rank) for rank in range(2)]  # rank g of the one job is group g
+    assert sorted(without[0]) == list(range(steps))
+    ours, theirs = by_step(g0), by_step(g1)
+    joint = sorted(set(ours) & set(theirs))
+    assert len(joint) >= 8 and sorted(ours) == list(range(steps)), (sorted(ours), sorted(theirs))
+    for step in joint:
+        assert not set(ours[step]) & set(theirs[step]), step  # the groups read different samples
+        assert set(ours[step]) | set(theirs[step]) == set(without[0][step]) | set(without[1][step]), step
+        assert (ours[step], theirs[step]) == (without[0][step], without[1][step]), step
+    # every batch read under fault tolerance, through the kill and the rejoin, is the one job's at that step
+    for group, reads in ((0, ours), (1, theirs)):
+        for step, index in reads.items():
+            assert index == expected_batch(group, 0, 1, *divmod(step, NUM_SAMPLES // 2 // BATCH)), (group, step)
+
+
+def test_a_healed_group_goes_on_from_the_peers_step_learning_rate_and_data(story):
+    """Group 1 joins late and is restarted three times: each launch takes group 0's global step, learning-rate
+    schedule and data position when it heals, reads from there exactly the batches it would have read without the
+    failures (no batch replayed or skipped), and both groups stop at the same step with the same learning rate."""
+    g0, g1, events = story
+    assert events["returncodes"] == [0, 0], events["logs"][1][-4000:]
+    per_epoch = NUM_SAMPLES // 4 // BATCH
+    for rank in range(2):
+        launches = g1.reads(rank)
+        assert len(launches) == CYCLES + 1
+        for pid, reads in launches.items():
+            joined = g1.rounds(rank, {pid}) if rank == 0 else None
+            if joined:  # the joining round's step: the federation's, and the launch's first batch is the next one
+                first_round = g1.record(joined[min(joined)])
+                assert first_round["optimizer_steps"] > 0
+                assert reads[0]["step"] == first_round["optimizer_steps"], (pid, reads[0])
+            steps = [read["step"] for read in reads]
+            assert steps == list(range(steps[0], steps[0] + len(steps))), pid  # one batch per step, in order
+            for read in reads:
+                epoch, batch = divmod(read["step"], per_epoch)
+                assert (read["epoch"], read["batch"]) == (epoch, batch), (pid, read)
+                assert read["index"] == expected_batch(1, rank, 2, epoch, batch), (pid, read)
+        for read in next(iter(g0.reads(rank).values())):  # the group that never failed reads by the same rule
+            assert read["index"] == expected_batch(0, rank, 2, *divmod(read["step"], per_epoch)), read
+        ours, theirs = g0.end(rank), g1.end(rank)
+        assert theirs["global_step"] == ours["global_step"] == ours["optimizer_steps"] == theirs["optimizer_steps"]
+        assert theirs["lr"] == ours["lr"] == pytest.approx(lr_at(ours["global_step"]), rel=1e-12)
+
+
+def test_a_round_voted_down_leaves_the_group_as_before_it_and_the_group_heals(compressed_story):
+    """Group 1 votes down a round (an error reported to its Manager after the average, as a peer dying inside it
+    would) while group 0 applies it: group 1's shards, global copies and momentum after the round are those from
+    before it, bit for bit (the round is applied only after the vote), and at its next round it heals from group 0
+    and both apply the same round again."""
+    g0, g1, events = compressed_story
+    assert events["returncodes"] == [0, 0], events["logs"][1][-4000:]
+    dropped = sorted(g1.out.glob("g1_r0_round*_dropped_*.pt"))
+    assert len(dropped) == len(events["g1_launch_pids"]), dropped  # one per launch
+    for path in dropped:
+        record = torch.load(path, weights_only=True)
+        assert record["groups"] == 2
+        for part in ("local", "reference", "momentum"):
+            for name, before in record["pre"][part].items():
+                assert torch.equal(record["post"][part][name], before), (path.name, part, name)
+        ours, theirs = g0.rounds(0), g1.rounds(0)
+        assert record["round"] in ours and record["round"] not in theirs  # group 0 applied it
+        after = g1.record(theirs[record["round"] + 1])  # group 1's next round: healed from group 0 first
+        assert torch.equal(
+            torch.cat([t.reshape(-1) for t in after["pre"]["reference"].values()]),
+            torch.cat([t.reshape(-1) for t in g0.record(ours[record["round"] + 1])["pre"]["reference"].values()]),
+        )

@@ -16,17 +16,18 @@ def test_fields_left_out_come_from_the_environment():
     env = {
         "TORCHFT_LIGHTHOUSE": "http://head:29510",
         "REPLICA_GROUP_ID": "3",
+        "NUM_REPLICA_GROUPS": "4",
         "TORCHFT_MIN_GROUPS": "2",
         "TORCHFT_QUORUM_TIMEOUT_SEC": "90",
     }
     ft = FaultTolerance(timeout=timedelta(seconds=5)).resolve(env)
-    assert (ft.lighthouse, ft.group_id, ft.min_groups) == ("http://head:29510", 3, 2)
+    assert (ft.lighthouse, ft.group_id, ft.num_groups, ft.min_groups) == ("http://head:29510", 3, 4, 2)
     assert ft.timeout == timedelta(seconds=5)
     assert ft.quorum_timeout == timedelta(seconds=90)
     assert ft.connect_timeout == timedelta(seconds=60)  # the default
     assert ft.replica_id == "fedgroup_3"  # torchft numbers ranks by the id's trailing digits
-    given = FaultTolerance(lighthouse="http://other:1", group_id=0, min_groups=1).resolve(env)
-    assert (given.lighthouse, given.group_id, given.min_groups) == ("http://other:1", 0, 1)
+    given = FaultTolerance(lighthouse="http://other:1", group_id=0, num_groups=2, min_groups=1).resolve(env)
+    assert (given.lighthouse, given.group_id, given.num_groups, given.min_groups) == ("http://other:1", 0, 2, 1)
     # torchft's own variables override a given timeout inside torchft: the resolved value says which is in force
     assert FaultTolerance(quorum_timeout=timedelta(hours=1)).resolve(env).quorum_timeout == timedelta(seconds=90)
 
@@ -38,14 +39,26 @@ def test_fields_left_out_come_from_the_environment():
         (FaultTolerance(lighthouse="http://h:1"), {}, "no federation group id; pass group_id=<k> or set REPLICA_GROUP_ID"),
         (FaultTolerance(lighthouse="http://h:1"), {"REPLICA_GROUP_ID": "one"}, "REPLICA_GROUP_ID='one' is not an integer"),
         (FaultTolerance(lighthouse="http://h:1", group_id=-1), {}, "`group_id` must be an integer ≥ 0, got -1"),
-        (FaultTolerance(lighthouse="http://h:1", group_id=0, min_groups=0), {}, "`min_groups` must be an integer ≥ 1"),
+        (FaultTolerance(lighthouse="http://h:1", group_id=0), {}, "no federation size; pass num_groups=<F> or set"),
+        (FaultTolerance(lighthouse="http://h:1", group_id=2, num_groups=2), {}, "`group_id`=2 must be below"),
+        (FaultTolerance(lighthouse="http://h:1", group_id=0, num_groups=0), {}, "`num_groups` must be an integer ≥ 1"),
         (
-            FaultTolerance(lighthouse="http://h:1", group_id=0),
+            FaultTolerance(lighthouse="http://h:1", group_id=0, num_groups=2, min_groups=3),
+            {},
+            "`min_groups`=3 is more than `num_groups`=2",
+        ),
+        (
+            FaultTolerance(lighthouse="http://h:1", group_id=0, num_groups=2, min_groups=0),
+            {},
+            "`min_groups` must be an integer ≥ 1",
+        ),
+        (
+            FaultTolerance(lighthouse="http://h:1", group_id=0, num_groups=1),
             {"TORCHFT_TIMEOUT_SEC": "-1"},
             "TORCHFT_TIMEOUT_SEC='-1' must be a positive number of seconds",
         ),
         (
-            FaultTolerance(lighthouse="http://h:1", group_id=0, timeout=timedelta(0)),
+            FaultTolerance(lighthouse="http://h:1", group_id=0, num_groups=1, timeout=timedelta(0)),
             {},
             "`timeout` must be a positive duration",
         ),
