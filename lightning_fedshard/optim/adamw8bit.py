@@ -33,11 +33,14 @@ def adam_ratio_bound(beta1: float, beta2: float, step: int) -> float:
     With ``ρ = β1²/β2``, Cauchy–Schwarz on ``m_t = (1-β1) Σ β1^(t-i) g_i`` against ``v_t = (1-β2) Σ β2^(t-i) g_i²``
     gives ``|m_t| ≤ (1-β1) √(Σ_{k<t} ρ^k / (1-β2)) · √v_t``, with equality for ``g_i ∝ (β1/β2)^(t-i)``; the bias
     corrections turn it into ``(1-β1)/(1-β1^t) · √((1-β2^t) Σ_{k<t} ρ^k / (1-β2))`` (1 at the first step). With
-    ``β2 = 0`` the ratio is unbounded (``inf``)."""
+    ``β2 = 0`` the ratio is unbounded (``inf``), and with ``β1² > β2`` it grows geometrically (``inf`` past a float)."""
     if beta2 == 0.0:
         return math.inf
     rho = beta1 * beta1 / beta2
-    series = float(step) if rho == 1.0 else (1.0 - rho**step) / (1.0 - rho)
+    try:
+        series = float(step) if rho == 1.0 else (1.0 - rho**step) / (1.0 - rho)
+    except OverflowError:
+        return math.inf
     return (1.0 - beta1) / (1.0 - beta1**step) * math.sqrt((1.0 - beta2**step) * series / (1.0 - beta2))
 
 

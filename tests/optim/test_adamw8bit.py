@@ -109,6 +109,7 @@ def test_adam_ratio_bound_holds_for_any_gradients_and_is_reached(betas):
         m_hat, v_hat = exact_moments(worst, beta1, beta2)
         assert (m_hat[-1].abs() / v_hat[-1].sqrt()).item() == pytest.approx(bounds[t - 1].item(), rel=1e-9)
     assert adam_ratio_bound(0.9, 0.0, 5) == math.inf
+    assert adam_ratio_bound(0.99, 0.9, 10**6) == math.inf  # ρ > 1: past a float, not an OverflowError
 
 
 def test_small_tensors_take_torch_adamws_step_to_the_bit():
