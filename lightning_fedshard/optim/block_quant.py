@@ -52,8 +52,8 @@ __all__ = [
 SIGNED_DECADES = 5  # m: 127 levels over 1e-5 .. 1 of the block's max
 SQRT_DECADES = 7  # √v: 255 levels over 1e-7 .. 1 of the block's max
 _MASK32 = 0xFFFFFFFF
-_UNIFORM_BITS = 24  # the dither's resolution: multiples of 2^-24 in [0, 1), exact in float32
-_WEYL_STEP = 10368889  # an odd integer near (√5 - 1)/2 · 2^24: consecutive positions get well-spread numbers
+_UNIFORM_BITS = 23  # the dither's resolution: multiples of 2^-23 in [0, 1)
+_WEYL_STEP = 5184445  # an odd integer near (√5 - 1)/2 · 2^23: consecutive positions get well-spread numbers
 
 
 def num_blocks(numel: int, block: int) -> int:
@@ -65,10 +65,11 @@ _SIGNED_TOP, _SQRT_TOP = 127, 255  # the largest code of m's magnitude and of �
 
 
 def _magnitudes(codes: Tensor, top: int, decades: int) -> Tensor:
-    """``L[c]`` for integer codes ``c`` in ``[0, top]``: 0 for ``c = 0``, else ``10^(-decades·(top - c)/(top - 1))``
-    (computed as an exponential: cheaper than looking the level up, and exactly 1 at ``c = top``)."""
+    """``L[c]`` for codes ``c`` in ``[0, top]`` (float32 holding integers): 0 for ``c = 0``, else
+    ``10^(-decades·(top - c)/(top - 1))``, computed as an exponential (cheaper than looking the level up; exactly 1 at
+    ``c = top``). Encoding and decoding both take the levels from here, so they agree to the bit."""
     per_efold = (top - 1) / (decades * math.log(10.0))
-    return torch.where(codes > 0, (codes.float() - top).div_(per_efold).exp_(), 0.0)
+    return (codes - top).mul_(1.0 / per_efold).exp_().masked_fill_(codes == 0, 0.0)
 
 
 def code_levels(signed: bool, device: torch.device | str = "cpu") -> Tensor:
@@ -76,7 +77,7 @@ def code_levels(signed: bool, device: torch.device | str = "cpu") -> Tensor:
     and ``L[c] = 10^(-D·(n - c)/(n - 1))`` for ``c = 1..n`` (``n = 127``, ``D = 5`` for the signed code of ``m``;
     ``n = 255``, ``D = 7`` for the code of ``√v``)."""
     top, decades = (_SIGNED_TOP, SIGNED_DECADES) if signed else (_SQRT_TOP, SQRT_DECADES)
-    return _magnitudes(torch.arange(top + 1, device=device), top, decades)
+    return _magnitudes(torch.arange(top + 1, device=device, dtype=torch.float32), top, decades)
 
 
 def _blocks(flat: Tensor, block: int) -> Tensor:
@@ -87,35 +88,35 @@ def _blocks(flat: Tensor, block: int) -> Tensor:
 
 @functools.cache
 def _weyl(block: int, device: torch.device) -> Tensor:
-    return (torch.arange(block, dtype=torch.int64) * _WEYL_STEP & ((1 << _UNIFORM_BITS) - 1)).to(torch.int32).to(device)
+    steps = torch.arange(block, dtype=torch.int64) * _WEYL_STEP & ((1 << _UNIFORM_BITS) - 1)
+    return (steps.to(torch.float32) * 2.0**-_UNIFORM_BITS).to(device)
 
 
 def _dither(scales: Tensor, block: int, seed: int) -> Tensor:
     """One number in ``[0, 1)`` per coordinate of each block: a per-block offset hashed from the scale's top 20 bits
-    and ``seed`` (three rounds of a 32-bit multiply-xorshift mix), plus a Weyl sequence along the block, modulo 1."""
+    and ``seed`` (three rounds of a 32-bit multiply-xorshift mix), plus a Weyl sequence along the block, modulo 1.
+    Both terms are multiples of ``2^-23`` below 1, so their sum and its fractional part are exact in float32."""
     h = (scales.contiguous().view(torch.int32).to(torch.int64) & _MASK32) >> 12
     h = h ^ ((seed * 0x9E3779B1 + 0x7F4A7C15) & _MASK32)
     for _ in range(3):
         h = ((h >> 16) ^ h) * 0x45D9F3B & _MASK32
-    h = (((h >> 16) ^ h) >> (32 - _UNIFORM_BITS)).to(torch.int32)
-    numbers = (h[:, None] + _weyl(block, scales.device)[None, :]).bitwise_and_((1 << _UNIFORM_BITS) - 1)
-    return numbers.to(torch.float32).mul_(2.0**-_UNIFORM_BITS)
+    offsets = (((h >> 16) ^ h) >> (32 - _UNIFORM_BITS)).to(torch.float32) * 2.0**-_UNIFORM_BITS
+    return (offsets[:, None] + _weyl(block, scales.device)[None, :]).frac_()
 
 
-def _quantize(values: Tensor, block: int, top: int, decades: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Codes of ``|values|`` (int32, in blocks), signs and per-block scales, stochastically rounded."""
-    rows = _blocks(values.reshape(-1).float(), block)
-    scales = rows.abs().amax(dim=1)
-    ratio = rows.abs() / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None]  # in [0, 1]; a zero block: 0
+def _quantize(magnitudes: Tensor, top: int, decades: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Codes (float32 holding integers in ``[0, top]``) of non-negative ``magnitudes`` in blocks (one per row), and
+    the per-block scales, stochastically rounded."""
+    scales = magnitudes.amax(dim=1)
+    ratio = magnitudes / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None]  # in [0, 1]; a zero block: 0
     # the code below `ratio` in closed form (inverting `_magnitudes`), several times faster than a binary search over
     # the levels; where the log's rounding puts it one off (`ratio` within 1e-4 of a gap from a level), the fraction
     # is a hair outside [0, 1] and the code is that level, as close as a correct bracket would give
     per_efold = (top - 1) / (decades * math.log(10.0))
-    low = ratio.log().mul_(per_efold).add_(top).floor_().clamp_(0, top - 1).to(torch.int32)
+    low = ratio.log().mul_(per_efold).add_(top).floor_().clamp_(0, top - 1)
     below, above = _magnitudes(low, top, decades), _magnitudes(low + 1, top, decades)
-    fraction = (ratio - below).div_(above.sub_(below))  # 1 exactly on a level: kept, as the dither is < 1
-    codes = low + (_dither(scales, block, seed) < fraction).to(torch.int32)
-    return codes, rows.sign(), scales
+    fraction = ratio.sub_(below).div_(above.sub_(below))  # 1 exactly on a level: kept, as the dither is < 1
+    return low.add_(_dither(scales, magnitudes.shape[1], seed) < fraction), scales
 
 
 def _unblock(rows: Tensor, like: Tensor) -> Tensor:
@@ -125,25 +126,26 @@ def _unblock(rows: Tensor, like: Tensor) -> Tensor:
 def quantize_signed(x: Tensor, block: int, seed: int) -> tuple[Tensor, Tensor]:
     """int8 codes shaped like ``x`` and one fp32 scale per block of ``x.reshape(-1)``; ``seed`` picks the rounding
     (the same ``seed`` and block always round the same way)."""
-    codes, signs, scales = _quantize(x, block, _SIGNED_TOP, SIGNED_DECADES, seed)
-    return _unblock(codes * signs.to(torch.int32), x).to(torch.int8), scales
+    rows = _blocks(x.reshape(-1).float(), block)
+    codes, scales = _quantize(rows.abs(), _SIGNED_TOP, SIGNED_DECADES, seed)
+    return _unblock(codes.copysign_(rows), x).to(torch.int8), scales
 
 
 def dequantize_signed(codes: Tensor, scales: Tensor, block: int) -> Tensor:
     """fp32 values of :func:`quantize_signed`'s codes, shaped like ``codes``."""
-    rows = _blocks(codes.reshape(-1).to(torch.int32), block)
+    rows = _blocks(codes.reshape(-1).float(), block)
     magnitudes = _magnitudes(rows.abs(), _SIGNED_TOP, SIGNED_DECADES).mul_(scales[: rows.shape[0], None])
-    return _unblock(magnitudes.mul_(rows.sign()), codes)
+    return _unblock(magnitudes.copysign_(rows), codes)
 
 
 def quantize_sqrt(v: Tensor, block: int, seed: int) -> tuple[Tensor, Tensor]:
     """uint8 codes of ``√v`` shaped like ``v`` (``v ≥ 0``) and one fp32 scale per block; ``seed`` as for
     :func:`quantize_signed`."""
-    codes, _, scales = _quantize(v.sqrt(), block, _SQRT_TOP, SQRT_DECADES, seed)
+    codes, scales = _quantize(_blocks(v.reshape(-1).float().sqrt(), block), _SQRT_TOP, SQRT_DECADES, seed)
     return _unblock(codes, v).to(torch.uint8), scales
 
 
 def dequantize_sqrt(codes: Tensor, scales: Tensor, block: int) -> Tensor:
     """fp32 ``v`` (the square of the decoded root) of :func:`quantize_sqrt`'s codes, shaped like ``codes``."""
-    rows = _blocks(codes.reshape(-1).to(torch.int32), block)
+    rows = _blocks(codes.reshape(-1).float(), block)
     return _unblock(_magnitudes(rows, _SQRT_TOP, SQRT_DECADES).mul_(scales[: rows.shape[0], None]), codes).square_()
