@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -20,27 +21,49 @@ from lightning_fedshard.optim.block_quant import (
 )
 from lightning_fedshard.optim.owner_exchange import ShardLayout, local_shard
 
-__all__ = ["AdamW8bit"]
+__all__ = ["AdamW8bit", "adam_ratio_bound"]
 
 BLOCK_SIZES = (32, 64, 128, 256)
+MOMENT_CODES = "log-stochastic-v1"  # block_quant's format; checkpoints with another (or none: linear codes) are refused
+
+
+def adam_ratio_bound(beta1: float, beta2: float, step: int) -> float:
+    """The largest ``|m̂_t| / √v̂_t`` that Adam's exact moments reach after ``step`` gradients (any gradients).
+
+    With ``ρ = β1²/β2``, Cauchy–Schwarz on ``m_t = (1-β1) Σ β1^(t-i) g_i`` against ``v_t = (1-β2) Σ β2^(t-i) g_i²``
+    gives ``|m_t| ≤ (1-β1) √(Σ_{k<t} ρ^k / (1-β2)) · √v_t``, with equality for ``g_i ∝ (β1/β2)^(t-i)``; the bias
+    corrections turn it into ``(1-β1)/(1-β1^t) · √((1-β2^t) Σ_{k<t} ρ^k / (1-β2))`` (1 at the first step). With
+    ``β2 = 0`` the ratio is unbounded (``inf``), and with ``β1² > β2`` it grows geometrically (``inf`` past a float)."""
+    if beta2 == 0.0:
+        return math.inf
+    rho = beta1 * beta1 / beta2
+    try:
+        series = float(step) if rho == 1.0 else (1.0 - rho**step) / (1.0 - rho)
+    except OverflowError:
+        return math.inf
+    return (1.0 - beta1) / (1.0 - beta1**step) * math.sqrt((1.0 - beta2**step) * series / (1.0 - beta2))
 
 
 class AdamW8bit(Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) with int8 first and uint8 second moments.
 
     Each parameter's moments are coded per block of ``block_size`` consecutive coordinates of the rank's local shard
-    (:mod:`~lightning_fedshard.optim.block_quant`: signed linear for ``m``, the square root for ``v``), so a block
-    never crosses a shard boundary; with block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`) the
-    blocks are the whole tensor's, and a sharded run is bit for bit the single-process one. A step decodes both
-    moments to fp32, updates them with the gradient, steps the parameter with the fp32 values and codes them again.
-    The denominator is ``max(√v̂, |m̂|) + eps``: coding may round a small ``√v`` to zero while ``m`` survives, and the
-    floor keeps such a coordinate's step within ``lr`` (the bound exact Adam's step keeps to in practice).
+    (:mod:`~lightning_fedshard.optim.block_quant`: log-spaced levels, signed for ``m``, of the square root for ``v``,
+    stochastically rounded so the moments are unbiased), so a block never crosses a shard boundary; with
+    block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`) the blocks are the whole tensor's, and a
+    sharded run is bit for bit the single-process one. A step decodes both moments to fp32, updates them with the
+    gradient, steps the parameter with the fp32 values and codes them again.
 
-    Parameters with fewer than ``min_8bit_numel`` elements (norms, biases) keep fp32 moments: their scales would
-    cost as much as they save. State per parameter: ``step``; ``exp_avg``/``exp_avg_sq`` (the codes, or fp32) shaped
-    and sharded like the parameter; ``exp_avg_scale``/``exp_avg_sq_scale`` (fp32, one per block, each rank's
-    blocks a ``Shard(0)`` slice padded to the largest rank's count) — DTensors under FSDP2, so DCP saves and
-    restores them per shard like AdamW's.
+    The denominator is ``max(√v̂, |m̂| / B_t) + eps``, where ``B_t`` is the largest ``|m̂| / √v̂`` exact moments can
+    reach at step ``t`` (:func:`adam_ratio_bound`, Cauchy–Schwarz): it never binds on exact moments, and it keeps a
+    coordinate whose coded ``√v`` fell to 0 while ``m`` survived from stepping by ``lr · |m̂| / eps``.
+
+    Parameters with fewer than ``min_8bit_numel`` elements (norms, biases; 4,096 as bitsandbytes' ``min_8bit_size``)
+    keep fp32 moments and take exactly ``torch.optim.AdamW``'s step: their scales would cost as much as they save.
+    State per parameter: ``step``; ``exp_avg``/``exp_avg_sq`` (the codes, or fp32) shaped and sharded like the
+    parameter; ``exp_avg_scale``/``exp_avg_sq_scale`` (fp32, one per block, each rank's blocks a ``Shard(0)`` slice
+    padded to the largest rank's count) — DTensors under FSDP2, so DCP saves and restores them per shard like AdamW's.
+    Each param group records ``moment_codes`` (the code format), so a checkpoint of another format is refused.
 
     Example::
 
@@ -63,7 +86,13 @@ class AdamW8bit(Optimizer):
             raise ValueError(f"AdamW8bit: `betas` must be in [0, 1), got {betas}.")
         if block_size not in BLOCK_SIZES:
             raise ValueError(f"AdamW8bit: `block_size` must be one of {BLOCK_SIZES}, got {block_size!r}.")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "moment_codes": MOMENT_CODES,
+        }
         super().__init__(params, defaults)
         self.block_size = block_size
         self.min_8bit_numel = min_8bit_numel
@@ -97,13 +126,29 @@ class AdamW8bit(Optimizer):
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :class:`torch.optim.Optimizer`'s, which casts every floating parameter's state to the parameter's
-        dtype: the 8-bit codes are cast back (they hold integers, so exactly), and a resumed run keeps 8-bit states."""
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            if "exp_avg_scale" in state:
-                state["exp_avg"] = state["exp_avg"].to(torch.int8)
-                state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.uint8)
+        """As :class:`torch.optim.Optimizer`'s, but every state tensor keeps its saved dtype and is only moved to its
+        parameter's device: torch's would cast the int8/uint8 codes (and the fp32 scales and moments) to the
+        parameter's dtype, materialising an fp32 copy of every code (4x the optimizer's memory on resume) and turning
+        scales into bf16 for a bf16 model. A tensor already on the device is taken as it is (no copy), as torch does
+        with state of the parameter's dtype. A checkpoint of another code format is refused."""
+        codes = {group.get("moment_codes") for group in state_dict["param_groups"]}
+        if codes != {MOMENT_CODES} and any("exp_avg_scale" in s for s in state_dict["state"].values()):
+            raise ValueError(
+                f"AdamW8bit: the checkpoint's 8-bit moments use the code format {codes - {MOMENT_CODES}} (None: the "
+                f"linear codes before issue 32), this version reads {MOMENT_CODES!r}; decoding them would give wrong "
+                "moments. Resume with the version that wrote it, or start the optimizer state afresh."
+            )
+        tensors = {
+            pid: {k: v for k, v in s.items() if k != "step" and isinstance(v, Tensor)}
+            for pid, s in state_dict["state"].items()
+        }
+        rest = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": rest})
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            for key, value in tensors.get(pid, {}).items():
+                self.state[p][key] = value.to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -119,7 +164,7 @@ class AdamW8bit(Optimizer):
                     continue
                 state = self.state[p] if self.state[p] else self._init_state(p)
                 state["step"] += 1
-                t = float(state["step"])
+                t = int(state["step"])
                 param, grad = local_shard(p), local_shard(p.grad).float()
                 m_store, v_store = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                 quantized = "exp_avg_scale" in state
@@ -132,14 +177,17 @@ class AdamW8bit(Optimizer):
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 correction1, correction2 = 1 - beta1**t, 1 - beta2**t
-                denom = (v.sqrt() / math.sqrt(correction2)).maximum(m.abs() / correction1).add_(eps)
+                denom = v.sqrt() / correction2**0.5  # as torch.optim.AdamW, to the bit
+                if quantized:
+                    denom = denom.maximum(m.abs() / (correction1 * adam_ratio_bound(beta1, beta2, t)))
+                denom.add_(eps)
                 param.mul_(1 - lr * decay)
                 param.addcdiv_(m.to(param.dtype), denom.to(param.dtype), value=-lr / correction1)
                 if quantized:
-                    codes, scales = quantize_signed(m, block)
+                    codes, scales = quantize_signed(m, block, seed=2 * t)
                     m_store.copy_(codes)
                     m_scales[: scales.numel()].copy_(scales)
-                    codes, scales = quantize_sqrt(v, block)
+                    codes, scales = quantize_sqrt(v, block, seed=2 * t + 1)
                     v_store.copy_(codes)
                     v_scales[: scales.numel()].copy_(scales)
         return loss

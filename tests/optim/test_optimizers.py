@@ -14,12 +14,8 @@ from lightning_fedshard.optim import (
     AdamW8bit,
     Muon,
     assign_owners,
-    dequantize_signed,
-    dequantize_sqrt,
     muon_param_groups,
     newton_schulz,
-    quantize_signed,
-    quantize_sqrt,
 )
 from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -87,22 +83,6 @@ def test_owners_balance_greedily_and_deterministically():
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
     assert owners == assign_owners(costs, 3) and sorted(loads) == [10, 11, 11]
     assert max(loads) <= 4 / 3 * math.ceil(sum(costs) / 3)
-
-
-def test_block_quantisers_round_to_the_nearest_code_per_block():
-    x = torch.randn(300, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, 300)
-    x[128:256] = 0.0  # a block of zeros
-    q, s = quantize_signed(x, 128)
-    assert q.dtype == torch.int8 and s.shape == (3,) and s[1] == 0
-    err = (dequantize_signed(q, s, 128) - x).abs().view(-1)
-    for b in range(3):
-        assert err[b * 128 : (b + 1) * 128].max() <= s[b] / 2 + 1e-12
-        assert s[b] == x[b * 128 : (b + 1) * 128].abs().max() / 127
-    v = x.square()
-    q, s = quantize_sqrt(v, 128)
-    assert q.dtype == torch.uint8
-    root_err = (dequantize_sqrt(q, s, 128).sqrt() - v.sqrt()).abs()
-    assert (root_err <= s.repeat_interleave(128)[:300] / 2 + 1e-7).all()
 
 
 def test_adamw8bit_tracks_fp32_adamw_on_a_regression_with_a_quarter_of_the_state():
