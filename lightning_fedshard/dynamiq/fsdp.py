@@ -57,7 +57,6 @@ class DynamiQReduceScatter(ReduceScatter):
             output_tensor.div_(dist.get_world_size(group))
         if self._on_sent is not None:
             self._on_sent(self.stats.wire_bytes - sent_before)
-        return None
 
 
 def install_dynamiq_reduce_scatter(module: torch.nn.Module, comm: DynamiQReduceScatter) -> int:

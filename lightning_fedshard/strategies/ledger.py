@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_fedshard.compat import AllGather, ReduceScatter
 
-__all__ = ["TIERS", "CommLedger", "ring_bytes", "install_fsdp_counters"]
+__all__ = ["TIERS", "CommLedger", "install_fsdp_counters", "ring_bytes"]
 
 #: Tiers, innermost first: FSDP all-gather/reduce-scatter, HSDP gradient all-reduce, FedAvg across groups.
 TIERS = ("shard", "replicate", "fed")

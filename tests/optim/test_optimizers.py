@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from lightning_fedshard.models import Llama, LlamaConfig
 from lightning_fedshard.optim import (
@@ -17,7 +18,6 @@ from lightning_fedshard.optim import (
     muon_param_groups,
     newton_schulz,
 )
-from torch.optim._muon import _zeropower_via_newtonschulz
 
 
 def test_newton_schulz_in_bf16_is_torch_optim_muons_bit_for_bit():
@@ -40,9 +40,15 @@ def test_muon_on_plain_tensors_is_torch_optim_muon_and_adamw():
     vector = nn.Parameter(torch.randn(8, generator=gen))
     refs = [nn.Parameter(p.detach().clone()) for p in ours]
     ref_vector = nn.Parameter(vector.detach().clone())
-    opt = Muon([{"params": ours, "use_muon": True}, {"params": [vector], "use_muon": False}], lr=0.02,
-               weight_decay=0.1, adamw_lr=0.01, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.05,
-               ns_dtype=torch.bfloat16)
+    opt = Muon(
+        [{"params": ours, "use_muon": True}, {"params": [vector], "use_muon": False}],
+        lr=0.02,
+        weight_decay=0.1,
+        adamw_lr=0.01,
+        adamw_betas=(0.9, 0.95),
+        adamw_weight_decay=0.05,
+        ns_dtype=torch.bfloat16,
+    )
     ref = torch.optim.Muon(refs, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     ref_adamw = torch.optim.AdamW([ref_vector], lr=0.01, betas=(0.9, 0.95), weight_decay=0.05, foreach=False)
     for _ in range(3):
@@ -70,7 +76,11 @@ def test_muon_routes_embeddings_head_and_norms_to_adamw():
 
 def test_muon_rejects_bad_arguments():
     w = [nn.Parameter(torch.zeros(3, 3))]
-    for kwargs, word in [({"momentum": 1.0}, "momentum"), ({"ns_steps": 0}, "ns_steps"), ({"adjust_lr": "x"}, "adjust_lr")]:
+    for kwargs, word in [
+        ({"momentum": 1.0}, "momentum"),
+        ({"ns_steps": 0}, "ns_steps"),
+        ({"adjust_lr": "x"}, "adjust_lr"),
+    ]:
         with pytest.raises(ValueError, match=word):
             Muon(w, **kwargs)
     with pytest.raises(ValueError, match="not matrices"):

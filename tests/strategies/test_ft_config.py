@@ -36,8 +36,16 @@ def test_fields_left_out_come_from_the_environment():
     ("ft", "env", "message"),
     [
         (FaultTolerance(group_id=0), {}, "no Lighthouse address; pass lighthouse="),
-        (FaultTolerance(lighthouse="http://h:1"), {}, "no federation group id; pass group_id=<k> or set REPLICA_GROUP_ID"),
-        (FaultTolerance(lighthouse="http://h:1"), {"REPLICA_GROUP_ID": "one"}, "REPLICA_GROUP_ID='one' is not an integer"),
+        (
+            FaultTolerance(lighthouse="http://h:1"),
+            {},
+            "no federation group id; pass group_id=<k> or set REPLICA_GROUP_ID",
+        ),
+        (
+            FaultTolerance(lighthouse="http://h:1"),
+            {"REPLICA_GROUP_ID": "one"},
+            "REPLICA_GROUP_ID='one' is not an integer",
+        ),
         (FaultTolerance(lighthouse="http://h:1", group_id=-1), {}, "`group_id` must be an integer ≥ 0, got -1"),
         (FaultTolerance(lighthouse="http://h:1", group_id=0), {}, "no federation size; pass num_groups=<F> or set"),
         (FaultTolerance(lighthouse="http://h:1", group_id=2, num_groups=2), {}, "`group_id`=2 must be below"),
