@@ -232,9 +232,8 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
         if kill_at is not None:
             (federation.out / "hold").touch()  # group 0 may not finish before group 1 is back
         (federation.out / "hold_start").touch()  # nor train alone while group 1's interpreters start
-        federation.start(
-            0, hold=True
-        )  # group 0 first, so that its own steps are the federation's (and its validations)
+        # group 0 first, so that its own steps are the federation's (and its validations)
+        federation.start(0, hold=True)
         federation.wait_for(lambda: federation.records(0, "start"), "group 0 starts")
         federation.start(1)
         federation.wait_for(lambda: federation.records(1, "joining"), "group 1 starts")
