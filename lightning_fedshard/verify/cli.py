@@ -84,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "--refine",
         choices=[r.value for r in Refine],
         default=Refine.AUTO.value,
-        help="tighten intermediate bounds by LP or MILP (HiGHS) before ReLU branch-and-bound (auto: LP for MLPs "
-        "with ≥ 3 ReLU layers; a MILP is bounded by its LP relaxation)",
+        help="tighten intermediate bounds by LP or MILP (HiGHS) before ReLU branch-and-bound (auto: MILP for MLPs "
+        "with ≥ 3 ReLU layers)",
     )
     parser.add_argument(
         "--lp-workers", type=int, default=VerifyConfig.refine_workers, help="processes solving LP/MILP neurons"

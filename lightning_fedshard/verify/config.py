@@ -50,10 +50,9 @@ class InputBranching(str, Enum):
 
 class Refine(str, Enum):
     """How the intermediate bounds are tightened before ReLU branch-and-bound (α,β-CROWN's *bab-refine*): not at
-    all, by an LP over the triangle relaxation, or by the MILP with binary ReLU phases (HiGHS) — bounded, like every
-    program, only by a safe bound from its LP relaxation's duals, which equals the LP's (``bounds/lp.py``).
-    ``auto``: LP for fully connected ReLU networks with at least three ReLU layers (where α-CROWN's bounds leave
-    branch-and-bound too much to do), else none; never in sharded runs."""
+    all, by an LP over the triangle relaxation, or by a MILP with binary ReLU phases (HiGHS). ``auto``: MILP for
+    fully connected ReLU networks with at least three ReLU layers (where α-CROWN's bounds leave branch-and-bound
+    too much to do), else none; never in sharded runs."""
 
     NONE = "none"
     LP = "lp"

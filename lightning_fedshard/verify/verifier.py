@@ -129,8 +129,7 @@ def _refinement(config: VerifyConfig, graph: BoundGraph, plan: ShardPlan) -> Ref
         return Refine.NONE
     if config.refine is not Refine.AUTO:
         return config.refine
-    # A MILP is bounded by its LP relaxation (bounds/lp.py): the triangle LP gives the same bounds with fewer columns.
-    return Refine.LP if len(graph.relus) >= 3 else Refine.NONE
+    return Refine.MILP if len(graph.relus) >= 3 else Refine.NONE
 
 
 def _refine(

@@ -25,10 +25,14 @@ written so that they hold on the ReLU graph exactly (the triangle's right-hand s
 
 A MILP's dual bound (``mip_dual_bound``) comes from a search over many LPs, cuts and presolve reductions, all with
 the same tolerances, and HiGHS gives no certificate for it: no safe bound can be derived from it. A program with
-binaries (``integer``) is therefore solved as its LP relaxation (binaries in ``[0, 1]``) and bounded safely as
-above. The big-M rows relax to exactly the triangle, so such a bound equals the LP's; a rigorous MILP bound would
-need a search over the binaries with a safe bound at every node, which is not written here. Each bound is
-intersected with the old one: a solver failure or a timeout can only leave a bound as it was.
+binaries (``integer``) is instead searched here (:meth:`NetworkProgram.solve`): best-first branch-and-bound over
+its binaries, every node an LP (the binaries fixed so far, the others in ``[0, 1]``) bounded safely as above, a
+node whose LP is infeasible closed only by a Farkas certificate checked the same way (``safe_minimum`` of the zero
+objective above 0 for the solver's dual ray), a node whose LP solution is integral closed with its bound. The
+bound is the least over the open nodes — the relaxation's at least, the exact MILP minimum once the search ends —
+and the search stops at the time limit or once the neuron's sign is decided. (The big-M rows relax to exactly the
+triangle: without the search a MILP bound would be the LP's.) Each bound is intersected with the old one: a solver
+failure or a timeout can only leave a bound as it was.
 
 Example::
 
@@ -38,7 +42,10 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import heapq
+import itertools
 import math
 import multiprocessing
 import os
@@ -61,6 +68,8 @@ __all__ = ["NetworkProgram", "RefineStats", "refine_bounds", "safe_minimum", "su
 
 #: The unit roundoff of float64.
 _UNIT = 2.0**-53
+#: A binary's LP value this close to 0 or 1 counts as integral (the node is not split on it).
+_INTEGRAL = 1e-6
 
 
 def _triangle_side(width: float, l: float, u: float) -> float:
@@ -311,8 +320,8 @@ class NetworkProgram:
         return Constraints.from_rows(self.rows, self.lower, self.upper)
 
     def highs(self, threads: int = 1) -> highspy.Highs:
-        """A fresh solver holding this program's LP relaxation (the binaries in ``[0, 1]``; see the module docs);
-        HiGHS objects cannot be pickled: build one per process."""
+        """A fresh solver holding this program's LP relaxation (the binaries in ``[0, 1]``: :meth:`solve` searches
+        over them); HiGHS objects cannot be pickled: build one per process."""
         h = _quiet_highs()
         h.setOptionValue("threads", threads)
         h.addVars(self.lower.size, self.lower, self.upper)
@@ -322,8 +331,8 @@ class NetworkProgram:
 
     def solve(self, h: highspy.Highs, neuron: int, sense: int, time_limit: float) -> float | None:
         """A bound of ``target[neuron]`` (``sense`` −1: lower, +1: upper) that holds in exact arithmetic, derived
-        from the row duals HiGHS finds within ``time_limit`` seconds (:func:`safe_minimum`), or ``None`` if it
-        gives none (no dual solution, or an unbounded one)."""
+        from the row duals HiGHS finds within ``time_limit`` seconds (:func:`safe_minimum`; with binaries, the
+        search of the module docs), or ``None`` if it gives none (no dual solution, or an unbounded one)."""
         if sense not in (-1, 1):
             raise ValueError(f"sense must be -1 (lower bound) or +1 (upper bound), got {sense!r}")
         index, value, constant = self.target.row(neuron)
@@ -331,15 +340,69 @@ class NetworkProgram:
         cost[index] = -sense * value  # always a minimisation: an upper bound is −min(−target)
         h.changeColsCost(cost.size, np.arange(cost.size, dtype=np.int32), cost)
         h.changeObjectiveSense(highspy.ObjSense.kMinimize)
-        h.setOptionValue("time_limit", max(time_limit, 1e-3))
-        h.run()
-        solution = h.getSolution()
-        if not solution.dual_valid:
-            return None
-        minimum = safe_minimum(cost, self.constraints, np.asarray(solution.row_dual))
+        deadline = time.monotonic() + time_limit
+        if self.integrality.any():
+            # The sign is decided once min(cost·x) > sense·constant (a lower bound above 0, an upper one below).
+            minimum = self._search(h, cost, deadline, sense * constant)
+        else:
+            minimum = self._node(h, cost, self.lower, self.upper, deadline)[0]
         if not math.isfinite(minimum):
             return None
         return math.nextafter(constant - sense * minimum, sense * math.inf)
+
+    def _node(
+        self, h: highspy.Highs, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray, deadline: float
+    ) -> tuple[float, int | None]:
+        """The safe lower bound of ``min cost·x`` with the columns in ``[lower, upper]`` (+inf where a Farkas
+        certificate shows the LP infeasible, −inf where there is no bound), and the binary column whose LP value is
+        farthest from integral (``None``: all integral)."""
+        binaries = np.flatnonzero(self.integrality).astype(np.int32)
+        if binaries.size:
+            h.changeColsBounds(binaries.size, binaries, lower[binaries], upper[binaries])
+        # HiGHS's time limit is on the solver's run time summed over all its runs, not on this run's.
+        h.setOptionValue("time_limit", h.getRunTime() + max(deadline - time.monotonic(), 1e-3))
+        h.run()
+        constraints = dataclasses.replace(self.constraints, column_lower=lower, column_upper=upper)
+        if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+            _, has_ray, ray = h.getDualRay()
+            if has_ray:  # any multipliers certify, so either sign of the ray may
+                zero = np.zeros(cost.size)
+                ray = np.asarray(ray)
+                if max(safe_minimum(zero, constraints, ray), safe_minimum(zero, constraints, -ray)) > 0:
+                    return math.inf, None
+        solution = h.getSolution()
+        if not solution.dual_valid:
+            return -math.inf, None
+        bound = safe_minimum(cost, constraints, np.asarray(solution.row_dual))
+        if not binaries.size or not solution.value_valid:
+            return bound, None
+        values = np.asarray(solution.col_value)[binaries]
+        distance = np.abs(values - np.round(values))
+        worst = int(distance.argmax())
+        return bound, (int(binaries[worst]) if distance[worst] > _INTEGRAL else None)
+
+    def _search(self, h: highspy.Highs, cost: np.ndarray, deadline: float, decided: float) -> float:
+        """A safe lower bound of ``min cost·x`` with the binaries integral: best-first branch-and-bound over them
+        (see the module docs) until ``deadline`` or until the bound exceeds ``decided``; the solver's binaries are
+        left in ``[0, 1]`` afterwards."""
+        order = itertools.count()
+        bound, branch = self._node(h, cost, self.lower, self.upper, deadline)
+        heap = [(bound, next(order), branch, self.lower, self.upper)]
+        try:
+            while heap and time.monotonic() < deadline:
+                bound, _, branch, lower, upper = heap[0]
+                if branch is None or bound > decided or not math.isfinite(bound):
+                    break  # integral (its bound is the minimum), decided, infeasible everywhere, or unboundable
+                heapq.heappop(heap)
+                for side in (0.0, 1.0):
+                    lo, hi = lower.copy(), upper.copy()
+                    lo[branch] = hi[branch] = side
+                    child, child_branch = self._node(h, cost, lo, hi, deadline)
+                    heapq.heappush(heap, (max(child, bound), next(order), child_branch, lo, hi))
+        finally:
+            binaries = np.flatnonzero(self.integrality).astype(np.int32)
+            h.changeColsBounds(binaries.size, binaries, self.lower[binaries], self.upper[binaries])
+        return heap[0][0] if heap else math.inf
 
 
 @dataclass
