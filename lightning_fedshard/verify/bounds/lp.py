@@ -21,7 +21,9 @@ margin. Each bound is instead derived from the solver's row duals ``y`` by weak 
 over row bounds ``[L, U]`` and column bounds ``[l, u]`` (see :func:`safe_minimum`). That holds for *any* ``y``
 once its signs are clipped to the rows' finite sides, so the solver's accuracy decides only how tight the bound is;
 ``r`` carries an explicit float64 error bound and the sums are rounded downwards. The program's own rows are
-written so that they hold on the ReLU graph exactly (the triangle's right-hand side is rounded up).
+written so that they hold on the ReLU graph exactly (the triangle's right-hand side is rounded up). Not covered:
+the float64 rounding where a chain of affine operators is composed into one row (none for Linear → ReLU nets,
+whose rows are the float32 weights themselves).
 
 A MILP's dual bound (``mip_dual_bound``) comes from a search over many LPs, cuts and presolve reductions, all with
 the same tolerances, and HiGHS gives no certificate for it: no safe bound can be derived from it. A program with
@@ -64,7 +66,7 @@ from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Add, ElementwiseAffine, Interval, LeftLinear, Linear, LinearOp, ReLU, Reshape
 
-__all__ = ["NetworkProgram", "RefineStats", "refine_bounds", "safe_minimum", "supports_programs"]
+__all__ = ["Constraints", "NetworkProgram", "RefineStats", "refine_bounds", "safe_minimum", "supports_programs"]
 
 #: The unit roundoff of float64.
 _UNIT = 2.0**-53
