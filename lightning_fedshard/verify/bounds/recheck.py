@@ -5,9 +5,10 @@ it sums, and nothing widens its result: on a network with large weights the erro
 and a row the network violates (in the real arithmetic the verifier reasons in, on the float32 weights) can come
 out proven. So wherever a float32 bound claims a row (``margin > 0``), the pass that gave it is repeated on a
 float64 copy of the graph — the same intermediate bounds, slopes ``α`` and multipliers ``β`` (all float32 values,
-exact in float64) — against the property's float64 rows (:attr:`OutputSpec.exact`), and the claimed margin is
-replaced by the float64 one rounded down: only a margin that float64 confirms proves anything. Rows not claimed
-are left alone (they prove nothing either way), so the cost is one float64 output pass per proven domain.
+exact in float64) — against the property's float64 rows (:attr:`OutputSpec.exact`); a claimed margin that
+float64 refutes is replaced by the float64 one rounded down: only a margin that float64 confirms proves anything.
+Rows not claimed are left alone (they prove nothing either way), so the cost is one float64 output pass per
+proven domain.
 
 What this leaves: float64's own rounding (2^-53 relative, 2^29 times below float32's), and the float32 rounding
 inside the intermediate bounds the final pass reads. Sharded graphs (weights split over ranks, Megatron zones)
@@ -56,10 +57,12 @@ def float64_graph(graph: BoundGraph) -> BoundGraph | None:
 
 
 def _replace_claims(margins: Tensor, claimed: Tensor, index: Tensor, exact: Tensor) -> Tensor:
-    """``margins`` with the claimed rows of batch elements ``index`` replaced by ``exact`` (float64) rounded
-    down to their dtype."""
+    """``margins`` with the claimed rows of batch elements ``index`` that ``exact`` (float64) refutes replaced by
+    it, rounded down to their dtype. Confirmed rows keep their value, so a run whose every claim holds gives the
+    same margins as before, bit for bit (and as a sharded run, which is not re-checked)."""
     out = margins.clone()
-    out[index] = torch.where(claimed[index], round_down(exact, margins.dtype), margins[index])
+    refuted = claimed[index] & ~(exact > 0)
+    out[index] = torch.where(refuted, round_down(exact, margins.dtype), margins[index])
     return out
 
 
@@ -105,7 +108,8 @@ def confirm(
 ) -> Tensor:
     """``margins [N, S]`` of the spec rows from the backward pass over ``box``, ``bounds`` (batch ``N`` or 1),
     ``alphas [S, N, …]`` and β terms ``(β·s [S, N, …], p [N, …])`` (as :func:`backward_bound` takes them), with
-    every positive margin replaced by the same pass's in float64, rounded down (see the module docs)."""
+    every positive margin that the same pass in float64 refutes replaced by that one, rounded down (see the module
+    docs)."""
     if margins.dim() != 2 or margins.shape[1] != spec.num_rows:
         raise ValueError(f"margins must be [N, {spec.num_rows}] (one column per spec row), got {list(margins.shape)}")
     claimed = margins > 0  # NaN claims nothing
@@ -144,8 +148,8 @@ def interval_margins(graph: BoundGraph, box: Interval, matrix: Tensor, rhs: Tens
 
 
 def confirm_interval(graph: BoundGraph, spec: OutputSpec, box: Interval, margins: Tensor) -> Tensor:
-    """``margins [B, S]`` from :func:`interval_margins`, every positive one replaced by interval propagation's in
-    float64, rounded down."""
+    """``margins [B, S]`` from :func:`interval_margins`, every positive one that interval propagation in float64
+    refutes replaced by that one, rounded down."""
     claimed = margins > 0
     double = float64_graph(graph)
     if double is None or double is graph or not bool(claimed.any()):
