@@ -45,7 +45,9 @@ class OutputSpec:
 
     A row's *margin* is ``(M y − b)_r``: a disjunct is ruled out where one of its rows has a positive margin,
     and the property holds on a domain when every disjunct is ruled out, i.e. when
-    ``value = min_d max_{r ∈ d} margin_r > 0``. A point with ``value ≤ 0`` is a counterexample.
+    ``value = min_d max_{r ∈ d} margin_r > 0``. A point with ``value ≤ 0`` is a counterexample. ``exact`` holds
+    the rows as read from the property, in float64 (``matrix``, ``rhs``: the working dtype, rounded to nearest), for
+    the float64 re-check of a proof (:mod:`~lightning_fedshard.verify.bounds.recheck`).
 
     Example::
 
@@ -54,8 +56,16 @@ class OutputSpec:
         value = spec.value(lower.T - spec.rhs)  # [B]
     """
 
-    def __init__(self, matrix: Tensor, rhs: Tensor, disjunct: Tensor, output_shape: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        matrix: Tensor,
+        rhs: Tensor,
+        disjunct: Tensor,
+        output_shape: tuple[int, ...],
+        exact: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
         self.matrix, self.rhs, self.disjunct = matrix, rhs, disjunct
+        self.exact = exact if exact is not None else (matrix.double(), rhs.double())
         self.output_shape = tuple(output_shape)
         self.num_disjuncts = int(disjunct.max()) + 1 if disjunct.numel() else 0
 
@@ -63,12 +73,12 @@ class OutputSpec:
     def from_case(
         cls, case: Case, output_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> OutputSpec:
-        matrix = torch.tensor(np.vstack([d.matrix for d in case.disjuncts]), dtype=dtype, device=device)
-        rhs = torch.tensor(np.concatenate([d.rhs for d in case.disjuncts]), dtype=dtype, device=device)
+        matrix = torch.tensor(np.vstack([d.matrix for d in case.disjuncts]), dtype=torch.float64, device=device)
+        rhs = torch.tensor(np.concatenate([d.rhs for d in case.disjuncts]), dtype=torch.float64, device=device)
         disjunct = torch.cat(
             [torch.full((len(d.rhs),), i, dtype=torch.long, device=device) for i, d in enumerate(case.disjuncts)]
         )
-        return cls(matrix, rhs, disjunct, output_shape)
+        return cls(matrix.to(dtype), rhs.to(dtype), disjunct, output_shape, (matrix, rhs))
 
     def only(self, disjunct: int) -> OutputSpec:
         """The spec of one disjunct alone (its rows, renumbered as disjunct 0)."""
@@ -78,6 +88,7 @@ class OutputSpec:
             self.rhs[rows],
             torch.zeros(len(rows), dtype=torch.long, device=rows.device),
             self.output_shape,
+            (self.exact[0][rows], self.exact[1][rows]),
         )
 
     def rows_of(self, disjunct: int) -> Tensor:

@@ -22,6 +22,7 @@ from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, open_neurons, spec_lower
+from lightning_fedshard.verify.bounds.recheck import confirm, confirm_interval, interval_margins
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig
 from lightning_fedshard.verify.device import resolve_device
 from lightning_fedshard.verify.graph import BoundGraph
@@ -79,10 +80,9 @@ def _counterexample(graph: BoundGraph, x: torch.Tensor) -> Counterexample:
 
 
 def _ibp_margins(graph: BoundGraph, spec: OutputSpec, box: Interval) -> torch.Tensor:
-    out = graph.ibp(box)[graph.output.name]
-    lower, upper = out.lower.flatten(1), out.upper.flatten(1)
-    M = spec.matrix
-    return (lower @ M.clamp(min=0).T + upper @ M.clamp(max=0).T - spec.rhs)[0]
+    """Interval propagation's margins ``[S]``, the positive ones confirmed in float64."""
+    margins = interval_margins(graph, box, spec.matrix, spec.rhs)
+    return confirm_interval(graph, spec, box, margins)[0]
 
 
 @dataclass
@@ -222,7 +222,7 @@ def _verify_case(
             graph, box, intersect_ibp=config.intersect_ibp, partition=partition, deadline=run.deadline
         )
         lower = spec_lower(graph, spec.rows(1), box, bounds, partition=partition, deadline=run.deadline)
-        return lower[:, 0] - spec.rhs, bounds
+        return confirm(graph, spec, box, bounds, lower.T - spec.rhs)[0], bounds
 
     with torch.no_grad():
         margins, root_bounds = run.timed("crown", crown)
@@ -254,7 +254,7 @@ def _verify_case(
     if bab_mode is BabMode.NEURON or config.method is Method.ALPHA_CROWN:
         # Input splitting bounds small boxes with plain CROWN; only ReLU splitting starts from α-CROWN's slopes.
         root = alpha()
-        margins = root.lower[:, 0] - spec.rhs
+        margins = confirm(graph, spec, box, root.bounds, root.lower.T - spec.rhs, root.alphas)[0]
         if proven(margins):
             return _CaseAnswer(Verdict.UNSAT, None, "alpha-crown", margins.tolist())
     if config.method is Method.ALPHA_CROWN or run.expired:
@@ -263,7 +263,7 @@ def _verify_case(
     if how is not Refine.NONE:
         refined, refine_stats = run.timed("refine", _refine, graph, box, root, how, config, run)
         root = alpha(refined)
-        margins = root.lower[:, 0] - spec.rhs
+        margins = confirm(graph, spec, box, root.bounds, root.lower.T - spec.rhs, root.alphas)[0]
         if proven(margins):
             return _CaseAnswer(Verdict.UNSAT, None, how.value, margins.tolist(), refine=refine_stats)
         if run.expired:

@@ -7,6 +7,7 @@ bounds feed the verifier."""
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 
 import highspy
 import numpy as np
@@ -17,7 +18,8 @@ from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bounds import lp
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds
 from lightning_fedshard.verify.config import BabMode, Refine
-from lightning_fedshard.verify.ops import Interval, Linear
+from lightning_fedshard.verify.graph import Node
+from lightning_fedshard.verify.ops import Interval, Linear, ReLU
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
 from tests.verify.nets import random_mlp
 
@@ -141,6 +143,150 @@ def test_the_milp_decides_every_sign_and_reaches_the_true_range_of_unstable_neur
         elif seen_low[j] < -0.05 and seen_high[j] > 0.05:
             assert abs(low[j] - seen_low[j]) < 0.05 and abs(high[j] - seen_high[j]) < 0.05
     assert int(((seen_low < -0.05) & (seen_high > 0.05)).sum()) >= 2  # the fixture has unstable neurons
+
+
+def test_the_milp_search_stabilises_neurons_the_lp_cannot():
+    # Safe bounds at every node of the search over the binaries keep the MILP stronger than its relaxation (which
+    # is the triangle LP): here it proves two neurons stable that the LP leaves unstable, and no lower side of it
+    # is below the LP's (a neuron proven stable has its other side left unsolved).
+    graph = _net(4, widths=(3, 6, 6, 2))
+    start = intermediate_bounds(graph, BOX)
+    relaxed, lp_stats = lp.refine_bounds(graph, BOX, start, ["fc1"], integer="none")
+    exact, milp_stats = lp.refine_bounds(graph, BOX, start, ["fc1"], integer="all")
+    assert milp_stats.stabilised >= lp_stats.stabilised + 2
+    assert bool((exact["fc1"].lower >= relaxed["fc1"].lower).all())
+
+
+def _exact_minimum_2d(cost, rows, box) -> Fraction:
+    """``min cost·x`` over ``L ≤ a·x ≤ U`` (``rows``: ``(L, U, a)``) and ``box`` in two variables, exactly in
+    rationals over the float64 data: the least objective over the feasible vertices (every pair of tight sides)."""
+    F = Fraction
+    sides = [(F(bound), tuple(F(v) for v in a)) for lo, hi, a in rows for bound in (lo, hi) if np.isfinite(bound)]
+    sides += [(F(bound), (F(1), F(0)) if j == 0 else (F(0), F(1))) for j in range(2) for bound in box[j]]
+
+    def feasible(x) -> bool:
+        inside = all(F(lo) <= x[j] <= F(hi) for j, (lo, hi) in enumerate(box))
+        return inside and all(
+            (not np.isfinite(lo) or F(a[0]) * x[0] + F(a[1]) * x[1] >= F(lo))
+            and (not np.isfinite(hi) or F(a[0]) * x[0] + F(a[1]) * x[1] <= F(hi))
+            for lo, hi, a in rows
+        )
+
+    best = None
+    for (b1, a1), (b2, a2) in itertools.combinations(sides, 2):
+        det = a1[0] * a2[1] - a1[1] * a2[0]
+        if det == 0:
+            continue
+        x = ((b1 * a2[1] - b2 * a1[1]) / det, (a1[0] * b2 - a2[0] * b1) / det)
+        if feasible(x):
+            value = F(cost[0]) * x[0] + F(cost[1]) * x[1]
+            best = value if best is None or value < best else best
+    return best
+
+
+#: ``min 0.7 x + 0.3 y`` over ``0.1 x + 0.2 y ≥ 0.3``, ``x − 3 y ≤ 0.1``, ``x + y = 1.3`` (none of these decimals
+#: is exact in binary), ``x, y ∈ [−1.7, 2.9]``.
+_COST = np.array([0.7, 0.3])
+_ROWS = [(0.3, np.inf, (0.1, 0.2)), (-np.inf, 0.1, (1.0, -3.0)), (1.3, 1.3, (1.0, 1.0))]
+_BOX = [(-1.7, 2.9), (-1.7, 2.9)]
+
+
+def _small_lp() -> tuple[lp.Constraints, np.ndarray]:
+    """The LP above as :class:`lp.Constraints`, and HiGHS's row duals for it."""
+    rows = [
+        (
+            lo if np.isfinite(lo) else -highspy.kHighsInf,
+            hi if np.isfinite(hi) else highspy.kHighsInf,
+            np.array([0, 1], dtype=np.int32),
+            np.array(a),
+        )
+        for lo, hi, a in _ROWS
+    ]
+    lower, upper = (np.array(side) for side in zip(*_BOX, strict=True))
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.addVars(2, lower, upper)
+    h.changeColsCost(2, np.arange(2, dtype=np.int32), _COST)
+    for lo, hi, index, value in rows:
+        h.addRow(lo, hi, index.size, index, value)
+    h.run()
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    return lp.Constraints.from_rows(rows, lower, upper), np.asarray(h.getSolution().row_dual)
+
+
+def test_the_safe_bound_is_below_the_exact_optimum_and_within_rounding_of_it():
+    constraints, duals = _small_lp()
+    exact = _exact_minimum_2d(_COST, _ROWS, _BOX)
+    bound = lp.safe_minimum(_COST, constraints, duals)
+    assert Fraction(bound) <= exact
+    assert float(exact - Fraction(bound)) < 1e-12 * (1 + abs(float(exact)))
+
+
+def test_any_dual_gives_a_sound_bound_where_its_dual_objective_alone_would_not():
+    constraints, duals = _small_lp()
+    exact = _exact_minimum_2d(_COST, _ROWS, _BOX)
+    rng = np.random.default_rng(0)
+    overshoot = 0
+    for scale in (1e-9, 1e-6, 1e-3, 1.0):
+        for _ in range(50):
+            perturbed = duals + scale * rng.standard_normal(duals.shape)
+            assert Fraction(lp.safe_minimum(_COST, constraints, perturbed)) <= exact
+            # The dual objective alone (y·b, the residual ignored) claims more than the optimum for many of them.
+            y = np.where(perturbed > 0, np.where(np.isfinite(constraints.row_lower), perturbed, 0), perturbed)
+            y = np.where(y < 0, np.where(np.isfinite(constraints.row_upper), y, 0), y)
+            claimed = sum(
+                Fraction(v) * Fraction(lo if v > 0 else hi)
+                for v, lo, hi in zip(y, constraints.row_lower, constraints.row_upper, strict=True)
+                if v != 0
+            )
+            overshoot += claimed > exact
+    assert overshoot > 0
+
+
+def test_a_bound_stays_sound_where_the_solver_stops_within_its_dual_tolerance():
+    # A reduced cost of −1e-8 lies inside HiGHS's dual feasibility tolerance (1e-7): without presolve the simplex
+    # stops at x0 = 0 with objective 0, but over x0 ∈ [0, 10^6] the true minimum of fc1 = −1e-8·x0 + relu(x1 − 0.5)
+    # is −0.01. A bound from the objective (moved by 1e-6 relative) would claim −1e-6.
+    nodes = [
+        Node("x", None, (), (2,)),
+        Node("fc0", Linear(torch.eye(2), torch.tensor([0.0, -0.5])), ("x",), (2,)),
+        Node("relu0", ReLU(), ("fc0",), (2,)),
+        Node("fc1", Linear(torch.tensor([[-1e-8, 1.0]]), torch.zeros(1)), ("relu0",), (1,)),
+    ]
+    graph = BoundGraph(nodes)
+    box = Interval(torch.tensor([[0.0, 0.0]]), torch.tensor([[1e6, 1.0]]))
+    program = lp.NetworkProgram.build(graph, box, intermediate_bounds(graph, box), "fc1")
+    h = program.highs()
+    h.setOptionValue("presolve", "off")
+    low = program.solve(h, 0, -1, 10.0)
+    assert h.getInfo().objective_function_value == 0.0  # the solver's own answer is off by 0.01
+    true_minimum = Fraction(float(torch.tensor(-1e-8))) * 10**6  # x0 = 10^6, relu(x1 − 0.5) = 0
+    assert Fraction(low) <= true_minimum
+    assert float(true_minimum - Fraction(low)) < 1e-9
+
+
+def test_the_triangle_row_holds_on_the_relu_graph_exactly():
+    # u − l and u·l round in float64; the row's right-hand side is rounded so that both ends of the ReLU satisfy
+    # the row in exact arithmetic. The product −u·l rounded to nearest (the row as written before) cuts some off.
+    rng = np.random.default_rng(1)
+    nearest_cuts = 0
+    for _ in range(200):
+        l, u = -float(rng.uniform(1e-3, 1e3)) / 3, float(rng.uniform(1e-3, 1e3)) / 7
+        width = u - l
+        ends = [Fraction(width) * Fraction(max(z, 0.0)) - Fraction(u) * Fraction(z) for z in (l, u)]
+        assert max(ends) <= Fraction(lp._triangle_side(width, l, u))
+        nearest_cuts += max(ends) > Fraction(-u * l)
+    assert nearest_cuts > 0
+
+
+def test_the_time_limit_holds_per_solve_not_per_solver():
+    # HiGHS sums its run time over every run of one solver; a limit set as the solve's own seconds stopped every
+    # solve after the first 0.02 s of the layer at once (no bound, the neuron left unrefined).
+    graph = _net(0)
+    program = lp.NetworkProgram.build(graph, BOX, intermediate_bounds(graph, BOX), "fc2")
+    h = program.highs()
+    bounds = [program.solve(h, n % 6, 1 - 2 * (n % 2), 0.02) for n in range(150)]
+    assert h.getRunTime() > 0.02 and all(bound is not None for bound in bounds)
 
 
 def test_a_solver_that_gives_up_leaves_the_bounds_alone(monkeypatch):

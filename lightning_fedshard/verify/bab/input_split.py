@@ -43,6 +43,8 @@ from lightning_fedshard.verify.bab.pieces import (
 )
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
 from lightning_fedshard.verify.bounds.forward import forward_bounds
+from lightning_fedshard.verify.bounds.recheck import margins as spec_margins
+from lightning_fedshard.verify.bounds.recheck import output_pass
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
@@ -113,9 +115,10 @@ class _BoxStack:
 
 
 def _bound(graph: BoundGraph, spec: OutputSpec, boxes: Interval) -> tuple[Backward, dict[str, Interval]]:
-    """CROWN over the spec rows, and the intermediate bounds it used."""
+    """CROWN over the spec rows (its last pass in float64: :func:`output_pass`), and the intermediate bounds it
+    used."""
     bounds = intermediate_bounds(graph, boxes, forward=True)
-    return backward_bound(graph, graph.output.name, spec.rows(boxes.lower.shape[0]), boxes, bounds), bounds
+    return output_pass(graph, spec, boxes, bounds), bounds
 
 
 def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
@@ -232,7 +235,7 @@ def input_split(
         interval = boxes.interval(shape)
         with torch.no_grad():
             out, bounds = _bound(graph, spec, interval)
-            margins = out.lower.T - spec.rhs  # [N, S]
+            margins = spec_margins(spec, out.lower)  # [N, S]
             corners = out.minimiser(interval).flatten(0, 1)
             cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
         bounded += len(boxes)
@@ -293,7 +296,7 @@ def _branch(
         return None
     A, c = _planes(out, boxes)
     boxes, margins, A, c = boxes.take(open_), margins[open_], A[:, open_], c[:, open_]
-    boxes, keep = _clip(boxes, A, c, spec.rhs)
+    boxes, keep = _clip(boxes, A, c, spec.exact[1])
     boxes, margins, A = boxes.take(keep), margins[keep], A[:, keep]
     wide = (boxes.upper - boxes.lower).double() > min_width
     splittable = wide.any(1)

@@ -30,6 +30,7 @@ from lightning_fedshard.verify.bab.branching import choose_branches
 from lightning_fedshard.verify.bab.domains import DomainBatch, DomainPool
 from lightning_fedshard.verify.bounds.alpha import AlphaResult
 from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.bounds.recheck import confirm
 from lightning_fedshard.verify.config import Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
@@ -96,7 +97,9 @@ def _settle(
         stop_above=spec.rhs.view(-1, 1).expand(-1, n),
         deadline=deadline,
     )
-    return bool((spec.value(torch.fmax(result.lower.T - spec.rhs, domains.margins)) > 0).all())
+    margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
+    margins = confirm(graph, spec, box, domains.bounds(), margins, domains.alphas, domains.beta_terms())
+    return bool((spec.value(margins) > 0).all())
 
 
 class _DomainParallel:
@@ -237,6 +240,10 @@ def _round(
     )
     # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
     children.margins = torch.fmax(result.lower.T - spec.rhs, children.margins)  # a NaN bound keeps the parent's
+    # Every row claimed proven counts only as far as float64 confirms it.
+    children.margins = confirm(
+        graph, spec, box, children.bounds(), children.margins, children.alphas, children.beta_terms()
+    )
     depth = int(children.depth.max())
     corners = result.minimiser(box)
     cex = _primal_counterexample(graph, spec, corners, children.margins)

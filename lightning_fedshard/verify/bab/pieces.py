@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.alpha import initial_alphas
 from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.bounds.recheck import confirm
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Interval, ReLU
@@ -83,7 +84,8 @@ def prove_by_pieces(
         pieces = Interval(boxes.lower[owner], boxes.upper[owner])
         stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
         result = beta_crown(graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop)
-        domains.margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
+        margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
+        domains.margins = confirm(graph, spec, pieces, domains.bounds(), margins, domains.alphas, domains.beta_terms())
         open_ = (~(spec.value(domains.margins) > 0)).nonzero().flatten()  # NaN is open
         corners = result.minimiser(pieces)[:, open_].flatten(0, 1)
         cex = counterexample_among(graph, spec, corners) if corners.numel() else None

@@ -11,10 +11,30 @@ are composed into the rows, so only the nodes a ReLU reads or writes get columns
 
 :func:`refine_bounds` tightens the unstable neurons of chosen pre-activation layers, in order (each refined layer
 then constrains the next): minimisations first, then maximisations (the sweep that keeps HiGHS's basis useful), each
-solve capped in time, optionally spread over worker processes; a MILP stops as soon as its dual bound shows the
-neuron stable. A bound is taken only from an optimal LP or from a MILP's dual bound (valid at any time limit),
-moved outwards by a small margin for the solver's tolerances, and intersected with the old one: a solver failure
-or a timeout can only leave a bound as it was.
+solve capped in time, optionally spread over worker processes.
+
+A bound is never the solver's objective value: HiGHS accepts a basis whose reduced costs are off by up to its dual
+feasibility tolerance (1e-7), which over a column range of 10^6 moves the objective by 0.1, far past any relative
+margin. Each bound is instead derived from the solver's row duals ``y`` by weak duality (Neumaier and Shcherbina,
+"Safe bounds in linear and mixed-integer linear programming", Math. Program. 99, 2004): for every feasible ``x``,
+``c·x = y·(A x) + r·x`` with ``r = c − Aᵀy``, so ``min c·x ≥ Σ_i min(y_i L_i, y_i U_i) + Σ_j min(r_j l_j, r_j u_j)``
+over row bounds ``[L, U]`` and column bounds ``[l, u]`` (see :func:`safe_minimum`). That holds for *any* ``y``
+once its signs are clipped to the rows' finite sides, so the solver's accuracy decides only how tight the bound is;
+``r`` carries an explicit float64 error bound and the sums are rounded downwards. The program's own rows are
+written so that they hold on the ReLU graph exactly (the triangle's right-hand side is rounded up). Not covered:
+the float64 rounding where a chain of affine operators is composed into one row (none for Linear → ReLU nets,
+whose rows are the float32 weights themselves).
+
+A MILP's dual bound (``mip_dual_bound``) comes from a search over many LPs, cuts and presolve reductions, all with
+the same tolerances, and HiGHS gives no certificate for it: no safe bound can be derived from it. A program with
+binaries (``integer``) is instead searched here (:meth:`NetworkProgram.solve`): best-first branch-and-bound over
+its binaries, every node an LP (the binaries fixed so far, the others in ``[0, 1]``) bounded safely as above, a
+node whose LP is infeasible closed only by a Farkas certificate checked the same way (``safe_minimum`` of the zero
+objective above 0 for the solver's dual ray), a node whose LP solution is integral closed with its bound. The
+bound is the least over the open nodes — the relaxation's at least, the exact MILP minimum once the search ends —
+and the search stops at the time limit or once the neuron's sign is decided. (The big-M rows relax to exactly the
+triangle: without the search a MILP bound would be the LP's.) Each bound is intersected with the old one: a solver
+failure or a timeout can only leave a bound as it was.
 
 Example::
 
@@ -24,12 +44,18 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
 import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import highspy
 import numpy as np
@@ -40,18 +66,21 @@ from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Add, ElementwiseAffine, Interval, LeftLinear, Linear, LinearOp, ReLU, Reshape
 
-__all__ = ["NetworkProgram", "RefineStats", "refine_bounds", "supports_programs"]
+__all__ = ["Constraints", "NetworkProgram", "RefineStats", "refine_bounds", "safe_minimum", "supports_programs"]
 
-#: A bound from the solver moves outwards by this much (relative, with an absolute floor): HiGHS's primal and dual
-#: feasibility tolerances are 1e-7.
-_MARGIN = 1e-6
-#: A MILP stops once the objective is known to be this far on one side of zero.
-_SIGN_DECIDED = 1e-5
-_MIP_STOPS = (
-    highspy.HighsModelStatus.kOptimal,
-    highspy.HighsModelStatus.kTimeLimit,
-    highspy.HighsModelStatus.kInterrupt,
-)
+#: The unit roundoff of float64.
+_UNIT = 2.0**-53
+#: A binary's LP value this close to 0 or 1 counts as integral (the node is not split on it).
+_INTEGRAL = 1e-6
+
+
+def _triangle_side(width: float, l: float, u: float) -> float:
+    """The right-hand side of the triangle row ``width·a − u·z ≤ side`` (``width`` is ``u − l`` rounded), rounded
+    up so that the row holds on the ReLU graph: ``width·relu(z) − u·z`` is convex in ``z``, so its largest value over
+    ``[l, u]`` is at an end, ``−u·l`` or ``(width − u)·u``, evaluated exactly in rationals."""
+    exact = max(-Fraction(u) * Fraction(l), (Fraction(width) - Fraction(u)) * Fraction(u))
+    side = float(exact)
+    return side if Fraction(side) >= exact else math.nextafter(side, math.inf)
 
 
 def _quiet_highs() -> highspy.Highs:
@@ -67,6 +96,79 @@ def _quiet_highs() -> highspy.Highs:
         os.close(saved)
     h.setOptionValue("output_flag", False)
     return h
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """``L ≤ A x ≤ U`` and ``l ≤ x ≤ u`` in float64, ``A`` as coordinates ``(row, column, value)``: the data
+    :func:`safe_minimum` reads (exactly what the solver was given)."""
+
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    row: np.ndarray
+    column: np.ndarray
+    value: np.ndarray
+    column_lower: np.ndarray
+    column_upper: np.ndarray
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[tuple[float, float, np.ndarray, np.ndarray]], lower: np.ndarray, upper: np.ndarray
+    ) -> Constraints:
+        """From rows ``(L_i, U_i, column indices, coefficients)`` (±``kHighsInf`` for a missing side)."""
+        sizes = [index.size for _, _, index, _ in rows]
+        infinite = highspy.kHighsInf
+        row_lower = np.array([-np.inf if lo <= -infinite else lo for lo, _, _, _ in rows], dtype=np.float64)
+        row_upper = np.array([np.inf if hi >= infinite else hi for _, hi, _, _ in rows], dtype=np.float64)
+        empty = np.zeros(0)
+        return cls(
+            row_lower,
+            row_upper,
+            np.repeat(np.arange(len(rows)), sizes),
+            np.concatenate([index for _, _, index, _ in rows] or [empty]).astype(np.int64),
+            np.concatenate([value for _, _, _, value in rows] or [empty]).astype(np.float64),
+            np.asarray(lower, dtype=np.float64),
+            np.asarray(upper, dtype=np.float64),
+        )
+
+
+def safe_minimum(cost: np.ndarray, constraints: Constraints, duals: np.ndarray) -> float:
+    """A lower bound of ``min cost·x`` over ``constraints`` that holds in exact arithmetic for any row multipliers
+    ``duals`` (a solver's row duals make it tight): weak duality with the residual ``r = cost − Aᵀy``,
+    ``min cost·x ≥ Σ_i min(y_i L_i, y_i U_i) + Σ_j min over r_j, x_j of r_j x_j`` (Neumaier–Shcherbina).
+
+    A multiplier of a row without the side its sign needs (``y_i > 0`` and ``L_i = −∞``, or ``y_i < 0`` and
+    ``U_i = +∞``) is set to 0 first: that is the cone where the bound is valid. ``r`` is computed in float64 with
+    an explicit bound on its rounding error (``γ_{k+2}`` times the sum of the absolute terms, ``k`` the column's
+    non-zeros, doubled), and ``r_j`` ranges over that interval; the final sum is exact (``math.fsum``) and moved
+    down by twice the unit roundoff times the terms' magnitude, then one more ulp. ``−inf`` where a column the
+    residual pushes towards is unbounded."""
+    c = constraints
+    cost, duals = np.asarray(cost, dtype=np.float64), np.asarray(duals, dtype=np.float64)
+    if cost.shape != c.column_lower.shape or duals.shape != c.row_lower.shape:
+        raise ValueError(
+            f"cost has {cost.shape} entries and duals {duals.shape} for {c.column_lower.size} columns and "
+            f"{c.row_lower.size} rows"
+        )
+    usable = ((duals > 0) & np.isfinite(c.row_lower)) | ((duals < 0) & np.isfinite(c.row_upper))
+    y = np.where(usable, duals, 0.0)
+    products = c.value * y[c.row]
+    n = cost.size
+    residual = cost - np.bincount(c.column, products, minlength=n)
+    count = np.bincount(c.column, minlength=n) + 2
+    magnitude = np.abs(cost) + np.bincount(c.column, np.abs(products), minlength=n)
+    error = 2 * count * _UNIT / (1 - count * _UNIT) * magnitude + count * np.finfo(np.float64).tiny
+    low, high = residual - error, residual + error
+    with np.errstate(invalid="ignore"):  # 0·inf: a residual end exactly 0 contributes 0 there
+        corners = np.stack([low * c.column_lower, low * c.column_upper, high * c.column_lower, high * c.column_upper])
+    column_terms = np.nan_to_num(corners, nan=0.0, posinf=np.inf, neginf=-np.inf).min(0)
+    row_terms = np.where(y > 0, y * np.where(y > 0, c.row_lower, 0.0), y * np.where(y < 0, c.row_upper, 0.0))
+    terms = np.concatenate([row_terms, column_terms])
+    if not np.isfinite(terms).all():
+        return -math.inf
+    total = math.fsum(terms)
+    size = math.fsum(np.abs(terms)) + abs(total)
+    return math.nextafter(total - 2 * _UNIT * size, -math.inf)
 
 
 #: The operators a program is written for: those of fully connected networks. (Convolutions and pooling are affine
@@ -134,9 +236,6 @@ class NetworkProgram:
     integrality: np.ndarray
     rows: list[tuple[float, float, np.ndarray, np.ndarray]] = field(repr=False)
     target: _Affine = field(repr=False)
-    #: The MILP stop rule of the solve in progress: the dual bound past which the neuron's sign is decided.
-    _stop_at: float = field(default=0.0, repr=False)
-    _sense: int = field(default=-1, repr=False)
 
     @classmethod
     def build(
@@ -197,8 +296,14 @@ class NetworkProgram:
                 zj, ak = np.int32(z + j), np.int32(a + k)
                 rows.append((0.0, highspy.kHighsInf, np.array([ak, zj]), np.array([1.0, -1.0])))  # a ≥ z
                 if delta is None:  # (u − l)·a − u·z ≤ −u·l
+                    width = uu[k] - lu[k]
                     rows.append(
-                        (-highspy.kHighsInf, -uu[k] * lu[k], np.array([ak, zj]), np.array([uu[k] - lu[k], -uu[k]]))
+                        (
+                            -highspy.kHighsInf,
+                            _triangle_side(width, lu[k], uu[k]),
+                            np.array([ak, zj]),
+                            np.array([width, -uu[k]]),
+                        )
                     )
                 else:
                     dk = np.int32(delta + k)
@@ -211,53 +316,95 @@ class NetworkProgram:
             blocks[a] = selector
         return _Affine(blocks, np.zeros(n))
 
+    @functools.cached_property
+    def constraints(self) -> Constraints:
+        """The rows and column bounds as :func:`safe_minimum` reads them."""
+        return Constraints.from_rows(self.rows, self.lower, self.upper)
+
     def highs(self, threads: int = 1) -> highspy.Highs:
-        """A fresh solver holding this program (HiGHS objects cannot be pickled: build one per process)."""
+        """A fresh solver holding this program's LP relaxation (the binaries in ``[0, 1]``: :meth:`solve` searches
+        over them); HiGHS objects cannot be pickled: build one per process."""
         h = _quiet_highs()
         h.setOptionValue("threads", threads)
         h.addVars(self.lower.size, self.lower, self.upper)
         for lo, hi, index, value in self.rows:
             h.addRow(lo, hi, index.size, index, value)
-        binaries = np.flatnonzero(self.integrality).astype(np.int32)
-        if binaries.size:
-            h.changeColsIntegrality(binaries.size, binaries, np.full(binaries.size, highspy.HighsVarType.kInteger))
-            h.cbMipInterrupt.subscribe(self._interrupt_when_stable)
         return h
 
-    def _interrupt_when_stable(self, event) -> None:
-        dual = event.data_out.mip_dual_bound
-        # Set on every call: the flag outlives the run it stopped, and would stop the next one at once.
-        event.interrupt(bool(np.isfinite(dual) and self._sense * (dual - self._stop_at) < 0))
-
     def solve(self, h: highspy.Highs, neuron: int, sense: int, time_limit: float) -> float | None:
-        """A valid bound of ``target[neuron]`` (``sense`` −1: lower, +1: upper), or ``None`` if the solver gives
-        none within ``time_limit`` seconds."""
+        """A bound of ``target[neuron]`` (``sense`` −1: lower, +1: upper) that holds in exact arithmetic, derived
+        from the row duals HiGHS finds within ``time_limit`` seconds (:func:`safe_minimum`; with binaries, the
+        search of the module docs), or ``None`` if it gives none (no dual solution, or an unbounded one)."""
+        if sense not in (-1, 1):
+            raise ValueError(f"sense must be -1 (lower bound) or +1 (upper bound), got {sense!r}")
         index, value, constant = self.target.row(neuron)
-        h.changeColsCost(self.lower.size, np.arange(self.lower.size, dtype=np.int32), np.zeros(self.lower.size))
-        h.changeColsCost(index.size, index, value)
-        h.changeObjectiveSense(highspy.ObjSense.kMaximize if sense > 0 else highspy.ObjSense.kMinimize)
-        h.setOptionValue("time_limit", max(time_limit, 1e-3))
+        cost = np.zeros(self.lower.size)
+        cost[index] = -sense * value  # always a minimisation: an upper bound is −min(−target)
+        h.changeColsCost(cost.size, np.arange(cost.size, dtype=np.int32), cost)
+        h.changeObjectiveSense(highspy.ObjSense.kMinimize)
+        deadline = time.monotonic() + time_limit
         if self.integrality.any():
-            # Stop once the dual bound shows the neuron stable. (α,β-CROWN also stops at an incumbent across zero;
-            # measured here that loses most of the tightening: a tighter bound of an unstable neuron still narrows
-            # its relaxation.)
-            self._stop_at = -sense * _SIGN_DECIDED - constant
-            self._sense = sense
-        h.run()
-        status = h.getModelStatus()
-        info = h.getInfo()
-        if self.integrality.any():
-            bound = info.mip_dual_bound  # valid whether optimal, interrupted or stopped at a limit
-            if status not in _MIP_STOPS:
-                return None
+            # The sign is decided once min(cost·x) > sense·constant (a lower bound above 0, an upper one below).
+            minimum = self._search(h, cost, deadline, sense * constant)
         else:
-            if status != highspy.HighsModelStatus.kOptimal:
-                return None
-            bound = info.objective_function_value
-        if not np.isfinite(bound):
+            minimum = self._node(h, cost, self.lower, self.upper, deadline)[0]
+        if not math.isfinite(minimum):
             return None
-        bound += constant
-        return bound + sense * _MARGIN * max(1.0, abs(bound))
+        return math.nextafter(constant - sense * minimum, sense * math.inf)
+
+    def _node(
+        self, h: highspy.Highs, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray, deadline: float
+    ) -> tuple[float, int | None]:
+        """The safe lower bound of ``min cost·x`` with the columns in ``[lower, upper]`` (+inf where a Farkas
+        certificate shows the LP infeasible, −inf where there is no bound), and the binary column whose LP value is
+        farthest from integral (``None``: all integral)."""
+        binaries = np.flatnonzero(self.integrality).astype(np.int32)
+        if binaries.size:
+            h.changeColsBounds(binaries.size, binaries, lower[binaries], upper[binaries])
+        # HiGHS's time limit is on the solver's run time summed over all its runs, not on this run's.
+        h.setOptionValue("time_limit", h.getRunTime() + max(deadline - time.monotonic(), 1e-3))
+        h.run()
+        constraints = dataclasses.replace(self.constraints, column_lower=lower, column_upper=upper)
+        if h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+            _, has_ray, ray = h.getDualRay()
+            if has_ray:  # any multipliers certify, so either sign of the ray may
+                zero = np.zeros(cost.size)
+                ray = np.asarray(ray)
+                if max(safe_minimum(zero, constraints, ray), safe_minimum(zero, constraints, -ray)) > 0:
+                    return math.inf, None
+        solution = h.getSolution()
+        if not solution.dual_valid:
+            return -math.inf, None
+        bound = safe_minimum(cost, constraints, np.asarray(solution.row_dual))
+        if not binaries.size or not solution.value_valid:
+            return bound, None
+        values = np.asarray(solution.col_value)[binaries]
+        distance = np.abs(values - np.round(values))
+        worst = int(distance.argmax())
+        return bound, (int(binaries[worst]) if distance[worst] > _INTEGRAL else None)
+
+    def _search(self, h: highspy.Highs, cost: np.ndarray, deadline: float, decided: float) -> float:
+        """A safe lower bound of ``min cost·x`` with the binaries integral: best-first branch-and-bound over them
+        (see the module docs) until ``deadline`` or until the bound exceeds ``decided``; the solver's binaries are
+        left in ``[0, 1]`` afterwards."""
+        order = itertools.count()
+        bound, branch = self._node(h, cost, self.lower, self.upper, deadline)
+        heap = [(bound, next(order), branch, self.lower, self.upper)]
+        try:
+            while heap and time.monotonic() < deadline:
+                bound, _, branch, lower, upper = heap[0]
+                if branch is None or bound > decided or not math.isfinite(bound):
+                    break  # integral (its bound is the minimum), decided, infeasible everywhere, or unboundable
+                heapq.heappop(heap)
+                for side in (0.0, 1.0):
+                    lo, hi = lower.copy(), upper.copy()
+                    lo[branch] = hi[branch] = side
+                    child, child_branch = self._node(h, cost, lo, hi, deadline)
+                    heapq.heappush(heap, (max(child, bound), next(order), child_branch, lo, hi))
+        finally:
+            binaries = np.flatnonzero(self.integrality).astype(np.int32)
+            h.changeColsBounds(binaries.size, binaries, self.lower[binaries], self.upper[binaries])
+        return heap[0][0] if heap else math.inf
 
 
 @dataclass
