@@ -108,6 +108,15 @@ def test_the_command_line_reports_an_unknown_recipe_as_a_usage_error(tmp_path, m
     assert "No file and no recipe named 'tiny/fl_hsbp'" in capsys.readouterr().err
 
 
+def test_gpu_check_writes_under_runs_of_the_working_directory_by_default(tmp_path, monkeypatch):
+    from lightning_fedshard.bench.gpu_check import main as gpu_check
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    assert gpu_check([], cuda_available=lambda: False) == 0
+    assert sorted(p.name for p in (tmp_path / "runs" / "gpu-check").iterdir()) == ["gpu_check.json", "gpu_check.md"]
+
+
 def test_bench_entry_points_find_their_recipes_from_any_directory(tmp_path, monkeypatch):
     from lightning_fedshard.bench import optimizers
     from lightning_fedshard.bench.recipes import TINY, fit_arguments
