@@ -1,6 +1,6 @@
 """The ``fedshard`` command: LightningCLI for Llama 3.1 pre-training, plus ``demo`` and ``bench``.
 
-``fedshard fit --config tiny/fl_hsdp`` trains (a shipped recipe by name, or a YAML path; ``fedshard recipes`` lists them); ``validate``, ``test`` and ``--print_config``
+``fedshard fit --config tiny/fl_hsdp`` (a recipe name or a YAML path) trains; ``validate``, ``test`` and ``--print_config``
 work as in any LightningCLI; ``fedshard verify`` runs neural-network verification. Strategies are set by registered name (``--trainer.strategy=fl_hsdp``) or
 with all their arguments as ``class_path``/``init_args`` in YAML.
 """

@@ -60,8 +60,8 @@ def recipe_file(value: str | Path) -> Path:
     if path.is_file():
         return path
     name = path.as_posix().removesuffix(_SUFFIX)
-    shipped = RECIPES / f"{name}{_SUFFIX}"
-    if name and not name.startswith(("/", ".")) and shipped.is_file():
+    shipped = (RECIPES / f"{name}{_SUFFIX}").resolve()
+    if shipped.is_relative_to(RECIPES) and shipped.is_file():  # only this folder's files, never ../ or /...
         return shipped
     names = [r.name for r in list_recipes()]
     hint = next((f" Did you mean {n!r}?" for n in names if name.endswith(f"/{n}")), "")
