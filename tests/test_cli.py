@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedshard import DynamiQDDPStrategy, FLFSDPStrategy, FLHSDPStrategy
 from lightning_fedshard.cli import FedShardCLI, main
-from tests.launching import REPO
+from lightning_fedshard.recipes import RECIPES as SHIPPED
 
 LAYOUTS = {
     "fsdp2": (FLFSDPStrategy, 1),
@@ -18,7 +18,7 @@ LAYOUTS = {
     "fl_fsdp": (FLFSDPStrategy, None),
     "fl_hsdp": (FLHSDPStrategy, None),
 }
-RECIPES = sorted(p for p in (REPO / "recipes").glob("*/*.yaml") if p.stem in LAYOUTS)
+RECIPES = sorted(p for p in SHIPPED.glob("*/*.yaml") if p.stem in LAYOUTS)
 # the reference experiment's layouts at 512 GPUs: (groups, replicas, shards)
 REFERENCE_8B = {"fsdp2": (1, 1, 512), "hsdp": (1, 128, 4), "fl_fsdp": (128, 1, 4), "fl_hsdp": (16, 8, 4)}
 
@@ -37,14 +37,14 @@ def print_config(capsys, *args: str) -> dict:
 
 def test_every_layout_has_a_tiny_and_an_8b_recipe():
     assert {(p.parent.name, p.stem) for p in RECIPES} == {(m, s) for m in ("tiny", "llama3.1-8b") for s in LAYOUTS}
-    others = {p.relative_to(REPO / "recipes") for p in (REPO / "recipes").glob("*/*.yaml") if p.stem not in LAYOUTS}
+    others = {p.relative_to(SHIPPED) for p in SHIPPED.glob("*/*.yaml") if p.stem not in LAYOUTS}
     assert others == {Path("tiny/ddp_dynamiq.yaml"), *(Path(m, "fl_hsdp_muon.yaml") for m in ("tiny", "llama3.1-8b"))}
 
 
 @pytest.mark.parametrize("size", ["tiny", "llama3.1-8b"])
 def test_the_muon_recipes_are_fl_hsdp_with_muon_as_the_inner_optimizer(size, capsys):
-    muon = print_config(capsys, "--config", str(REPO / f"recipes/{size}/fl_hsdp_muon.yaml"))
-    baseline = print_config(capsys, "--config", str(REPO / f"recipes/{size}/fl_hsdp.yaml"))
+    muon = print_config(capsys, "--config", f"{size}/fl_hsdp_muon")
+    baseline = print_config(capsys, "--config", f"{size}/fl_hsdp")
     assert (muon["model"].pop("optimizer"), baseline["model"].pop("optimizer")) == ("muon", "adamw")
     # the tiny recipe's lr was tuned for Muon (docs/benchmarks.md); the 8B one keeps AdamW's (Moonshot's scaling)
     lrs = (muon["model"].pop("lr"), baseline["model"].pop("lr"))
@@ -58,8 +58,8 @@ def test_the_muon_recipes_are_fl_hsdp_with_muon_as_the_inner_optimizer(size, cap
 
 
 def test_the_compression_recipe_differs_from_fsdp2_only_in_strategy_and_run_name(capsys):
-    compressed = print_config(capsys, "--config", str(REPO / "recipes/tiny/ddp_dynamiq.yaml"))
-    baseline = print_config(capsys, "--config", str(REPO / "recipes/tiny/fsdp2.yaml"))
+    compressed = print_config(capsys, "--config", "tiny/ddp_dynamiq")
+    baseline = print_config(capsys, "--config", "tiny/fsdp2")
     strategy = compressed["trainer"].pop("strategy")
     assert strategy["class_path"] == "lightning_fedshard.DynamiQDDPStrategy"
     assert DynamiQDDPStrategy(**strategy["init_args"]).hook_state.compression.bits == 5.0
@@ -103,7 +103,7 @@ def test_strategies_are_selectable_by_registered_name(capsys):
 
 
 def test_strategy_arguments_are_settable_from_the_command_line(capsys):
-    recipe = REPO / "recipes" / "tiny" / "fl_hsdp.yaml"
+    recipe = SHIPPED / "tiny" / "fl_hsdp.yaml"
     config = print_config(
         capsys, "--config", str(recipe), "--trainer.strategy.init_args.sync_every=4",
         "--trainer.strategy.init_args.outer_optimizer=nesterov",
@@ -113,7 +113,7 @@ def test_strategy_arguments_are_settable_from_the_command_line(capsys):
 
 
 def fit_args(*overrides: str) -> list[str]:
-    return ["fit", "--config", str(REPO / "recipes" / "tiny" / "fl_hsdp.yaml"), *overrides]
+    return ["fit", "--config", str(SHIPPED / "tiny" / "fl_hsdp.yaml"), *overrides]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ a'. Gradient zoo: every family of ``bench.gradients.gradient_zoo`` plus Gaussian
    the payload rate it spends, the ring at P = 4, 8, 16, and MXFP8-E4M3 at P = 8.
 b. Target check: DynamiQ at 5 bits, P = 8, real gradients: ≤ 5 bits, vNMSE ≤ 1e-3 and below MXFP8-E4M3.
 c. Decompress-accumulate-recompress (DAR) throughput against a plain copy of the same data.
-d. Training: the tiny Llama recipe ``recipes/tiny/ddp_dynamiq.yaml`` with several codecs and PowerSGD.
+d. Training: the tiny Llama recipe ``tiny/ddp_dynamiq`` with several codecs and PowerSGD.
 e. ``OUT/vnmse_vs_bits.png``: vNMSE against bits per coordinate at P = 8 on the real gradients.
 
 ``--quick`` is a smoke run (fewer codecs and sizes, P ∈ {4, 8}, no training; about a minute). The full run takes

@@ -1,6 +1,6 @@
 """A federation that loses a group and gets it back: ``fedshard bench faults [--quick]``.
 
-Two federation groups of the tiny FL+FSDP recipe (``recipes/tiny/fl_fsdp.yaml``, 2 ranks each, DiLoCo), each its
+Two federation groups of the tiny FL+FSDP recipe (``tiny/fl_fsdp``, 2 ranks each, DiLoCo), each its
 own ``fedshard fit`` job with ``fault_tolerance``, and one torchft Lighthouse in this process. Two runs:
 
 * **uninterrupted**: both groups train to the same federation step;
@@ -29,11 +29,12 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from lightning_fedshard.bench.recipes import TINY
 from lightning_fedshard.compat import require_extra
 
 __all__ = ["FaultProbe", "FaultRun", "format_table", "main"]
 
-RECIPE = Path("recipes/tiny/fl_fsdp.yaml")
+RECIPE = TINY / "fl_fsdp.yaml"
 PROBE_ENV, STOP_ENV, HOLD_ENV = "FEDSHARD_FAULTS_PROBE", "FEDSHARD_FAULTS_STOP_AT", "FEDSHARD_FAULTS_HOLD"
 HEARTBEAT_TIMEOUT_MS = 2000
 WAIT_S = 900
@@ -315,8 +316,6 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parser.parse_known_args(argv)
     if args.quick:
         args.steps, args.kill_at, args.down_s = 96, 8, 0.0
-    if not RECIPE.is_file():
-        sys.exit(f"No recipe at {RECIPE} (run from the repository root).")
     runs = [
         run("uninterrupted", args.out, args.steps, None, 0.0, overrides),
         run("fault", args.out, args.steps, args.kill_at, args.down_s, overrides),

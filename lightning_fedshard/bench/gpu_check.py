@@ -2,8 +2,9 @@
 
 A GPU is lent now and then, for minutes, to whoever runs this; so each check runs in a process of its own with
 its own timeout (a hang or a crash costs that check alone, and the next one still runs), the whole run keeps to
-one budget, and a JSON and a Markdown summary are written to ``--out`` (default ``$OUT``, else ``./gpu-check``)
-whatever happens. Without CUDA nothing runs: the summary says the run was skipped and the exit status is 0.
+one budget, and a JSON and a Markdown summary are written to ``--out`` (default ``$OUT``, else ``./runs/gpu-check``:
+every ``fedshard bench`` writes under ``./runs``) whatever happens. Without CUDA nothing runs: the summary says the
+run was skipped and the exit status is 0.
 
 Checks (:data:`CHECKS`), each with a pass/fail line, its figure and the peak CUDA memory of its process:
 
@@ -513,7 +514,7 @@ def verify_cuda_vs_cpu(
 # ------------------------------------------------------------------------------------------------- entry point
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedshard bench gpu-check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="summary folder (default $OUT, else ./gpu-check)")
+    parser.add_argument("--out", type=Path, help="summary folder (default $OUT, else ./runs/gpu-check)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for all checks")
     parser.add_argument("--only", nargs="+", choices=[c.name for c in CHECKS], help="run these checks alone")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # module:function, in a check's own process
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None, cuda_available: Callable[[], bool] | Non
     args = _parser().parse_args(argv)
     if args.child:
         return _child(args.child, args.result, json.loads(args.kwargs or "{}"))
-    out = args.out or Path(os.environ.get("OUT") or "gpu-check")
+    out = args.out or Path(os.environ.get("OUT") or "runs/gpu-check")
     try:
         import torch
     except ImportError:  # an interpreter without torch has no CUDA to check either

@@ -21,10 +21,10 @@ import yaml
 from lightning_fedshard.bench.recipes import TINY, metrics_path, read_metrics, run_recipe
 from lightning_fedshard.models import Llama, LlamaConfig
 from lightning_fedshard.optim import BlockShardPlan, muon_param_groups
+from lightning_fedshard.recipes import Recipe, list_recipes
 
 __all__ = ["OptimizerRun", "main", "state_bytes_per_gpu"]
 
-RECIPES_8B = Path("recipes/llama3.1-8b")
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 LAYOUTS = ("fsdp2", "fl_hsdp")
 
@@ -98,15 +98,15 @@ def state_bytes_per_gpu(model: torch.nn.Module, plan: BlockShardPlan, quant_bloc
     return totals
 
 
-def print_plans(recipes: list[Path], blocks: list[int]) -> dict:
+def print_plans(recipes: list[Recipe], blocks: list[int]) -> dict:
     report = {}
     for recipe in recipes:
-        config = yaml.safe_load(recipe.read_text())
+        config = yaml.safe_load(recipe.path.read_text())
         args = config["trainer"]["strategy"]["init_args"]
         shards = args["shard_size"]
         with torch.device("meta"):
             model = Llama(LlamaConfig.from_name(config["model"]["preset"]))
-        print(f"\n== {recipe} ({args.get('num_groups')} groups × {args.get('replicate_size', 1)} replicas × {shards}"
+        print(f"\n== {recipe.name} ({args.get('num_groups')} groups × {args.get('replicate_size', 1)} replicas × {shards}"
               " shards) ==")
         entry = {}
         for block in blocks:
@@ -117,7 +117,7 @@ def print_plans(recipes: list[Path], blocks: list[int]) -> dict:
         print("optimizer state per GPU: " + ", ".join(
             f"{name} {nbytes / 2**30:.2f} GiB (×{nbytes / state['adamw']:.3f})" for name, nbytes in state.items()
         ))
-        report[str(recipe)] = {"plans": entry, "state_bytes_per_gpu": state}
+        report[recipe.name] = {"plans": entry, "state_bytes_per_gpu": state}
     return report
 
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if "adamw" not in args.optimizers:
         parser.error("--optimizers must include adamw, the baseline of the ratios")
     args.out.mkdir(parents=True, exist_ok=True)
-    recipes = sorted(RECIPES_8B.glob("*.yaml"))
+    recipes = [r for r in list_recipes() if r.name.startswith("llama3.1-8b/")]
     plans = print_plans(recipes, args.blocks)
     results: dict = {"plans": plans}
     if not args.plan:

@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lightning_fedshard.recipes import RECIPES, recipe_file
 from lightning_fedshard.strategies.ledger import TIERS
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
     "summarize",
 ]
 
-TINY = Path("recipes/tiny")
+TINY = RECIPES / "tiny"
 
 
 @dataclass
@@ -103,7 +104,7 @@ def fit_arguments(config: Path, out_dir: Path, overrides: list[str], name: str) 
     """``fedshard fit`` arguments (after ``python -m lightning_fedshard.cli``) for one comparable run of
     ``config``: a CSV logger at :func:`metrics_path`, every step logged, no checkpoints."""
     if not config.is_file():
-        raise FileNotFoundError(f"No recipe at {str(config)!r} (run from the repository root, or pass --configs).")
+        raise FileNotFoundError(f"No recipe at {str(config)!r}: pass a recipe name (`fedshard recipes`) or a path.")
     return [
         "fit", "--config", str(config),
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
@@ -177,7 +178,13 @@ def plot(results: list[RecipeResult], path: Path) -> None:
 
 def _parser(prog: str, configs: list[Path], out: Path) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", type=Path, default=configs, help="recipes; the first is the baseline")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        type=recipe_file,
+        default=configs,
+        help="recipe names or paths; the first is the baseline",
+    )
     parser.add_argument("--out", type=Path, default=out, help="logs, metrics, results.json and the plot go here")
     parser.add_argument(
         "--override", action="append", default=[], help="passed to every `fedshard fit`, e.g. --trainer.max_steps=32"

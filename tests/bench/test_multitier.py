@@ -14,9 +14,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_fedshard.bench import multitier
 from lightning_fedshard.bench.costmodel import mean_step_bytes
 from lightning_fedshard.bench.netns import ClusterUnavailable, unavailable_reason
-from tests.launching import REPO, run_isolated
+from lightning_fedshard.recipes import RECIPES
+from tests.launching import run_isolated
 
-TINY = REPO / "recipes" / "tiny"
+TINY = RECIPES / "tiny"
 
 
 @pytest.mark.parametrize(

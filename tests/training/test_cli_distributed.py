@@ -12,7 +12,7 @@ import torch
 from lightning_fedshard.bench.recipes import format_table, plot, read_metrics, summarize
 from lightning_fedshard.models import LlamaConfig
 from lightning_fedshard.models.llama import rotary_frequencies
-from tests.launching import REPO, run_isolated
+from tests.launching import run_isolated
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,7 +23,7 @@ STEPS = 32  # the tiny recipes validate every 16 steps and sync every 8
 def fit(recipe: str, out: Path, *overrides: str) -> tuple[list[dict], dict[int, dict[str, float]]]:
     command = [
         sys.executable, "-m", "lightning_fedshard.cli", "fit",
-        "--config", str(REPO / "recipes" / "tiny" / f"{recipe}.yaml"),
+        "--config", f"tiny/{recipe}",
         f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=2",
         f"--trainer.logger.init_args.save_dir={out / 'logs'}", "--trainer.logger.init_args.version=0",
         "--trainer.callbacks+=tests.training.probe.Probe", f"--trainer.callbacks.out={out / 'probe'}",
