@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-
-import lightning_fedshard  # noqa: F401  (registers the strategy names)
-from lightning_fedshard.data import TextDataModule
-from lightning_fedshard.training import LlamaPretraining
-
-__all__ = ["FedShardCLI", "main"]
+__all__ = ["FedShardCLI", "main"]  # noqa: F822 (FedShardCLI: module __getattr__)
 
 EXTRA_COMMANDS = """Other commands:
   fedshard demo [ARGS]     tiny FL+HSDP recipe next to the tiny HSDP baseline (see `fedshard demo --help`)
@@ -24,28 +18,13 @@ EXTRA_COMMANDS = """Other commands:
 """
 
 
-class FedShardCLI(LightningCLI):
-    """LightningCLI over :class:`LlamaPretraining` and :class:`TextDataModule`.
+def __getattr__(name: str) -> object:
+    # FedShardCLI loads Lightning: only on first use, so that `fedshard verify` starts with torch and onnx alone.
+    if name == "FedShardCLI":
+        from lightning_fedshard.training.cli import FedShardCLI
 
-    The data module's ``seq_len`` is linked to the model's, and the tokenizer's vocabulary is checked against
-    the model's embedding before any process starts.
-
-    Example::
-
-        FedShardCLI(args=["fit", "--config", "recipes/tiny/fl_hsdp.yaml", "--trainer.max_steps=10"])
-    """
-
-    def __init__(self, args: list[str] | None = None, **kwargs) -> None:
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(LlamaPretraining, TextDataModule, args=args, **kwargs)
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.seq_len", "model.seq_len")
-
-    def _check_vocab(self) -> None:
-        self.model.check_vocab(self.datamodule.vocab_size)
-
-    before_fit = before_validate = before_test = _check_vocab
+        return FedShardCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if command in ("-h", "--help"):
             print(EXTRA_COMMANDS)
+        from lightning_fedshard.training.cli import FedShardCLI
+
         FedShardCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
 

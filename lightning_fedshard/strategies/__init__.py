@@ -22,3 +22,7 @@ __all__ = [
     "partition_fragments",
     "register_strategies",
 ]
+
+# Importing the strategies registers their names (``Trainer(strategy="fl_hsdp")``); the package root arranges this
+# import on Lightning's first registry look-up.
+register_strategies()
