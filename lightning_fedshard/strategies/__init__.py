@@ -10,14 +10,14 @@ from lightning_fedshard.strategies.registry import STRATEGY_NAMES, register_stra
 from lightning_fedshard.strategies.streaming import FragmentSchedule, StreamingSync, partition_fragments
 
 __all__ = [
+    "STRATEGY_NAMES",
     "CommLedger",
     "DynamiQDDPStrategy",
     "FLFSDPStrategy",
-    "FaultTolerance",
     "FLHSDPStrategy",
+    "FaultTolerance",
     "FedShardDims",
     "FragmentSchedule",
-    "STRATEGY_NAMES",
     "StreamingSync",
     "partition_fragments",
     "register_strategies",
