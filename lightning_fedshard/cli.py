@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-
-import lightning_fedshard  # noqa: F401  (registers the strategy names)
-from lightning_fedshard.data import TextDataModule
-from lightning_fedshard.recipes import resolve_config_arguments
-from lightning_fedshard.training import LlamaPretraining
-
-__all__ = ["FedShardCLI", "main"]
+__all__ = ["FedShardCLI", "main"]  # noqa: F822 (FedShardCLI: module __getattr__)
 
 EXTRA_COMMANDS = """Other commands:
   fedshard recipes         the shipped recipes, by name (`--config NAME`), one line each
@@ -26,42 +19,13 @@ EXTRA_COMMANDS = """Other commands:
 """
 
 
-class FedShardCLI(LightningCLI):
-    """LightningCLI over :class:`LlamaPretraining` and :class:`TextDataModule`.
+def __getattr__(name: str) -> object:
+    # FedShardCLI loads Lightning: only on first use, so that `fedshard verify` starts with torch and onnx alone.
+    if name == "FedShardCLI":
+        from lightning_fedshard.training.cli import FedShardCLI
 
-    The data module's ``seq_len`` is linked to the model's, and the tokenizer's vocabulary is checked against
-    the model's embedding before any process starts.
-
-    Example::
-
-        FedShardCLI(args=["fit", "--config", "tiny/fl_hsdp", "--trainer.max_steps=10"])
-    """
-
-    def __init__(self, args: list[str] | None = None, **kwargs) -> None:
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(LlamaPretraining, TextDataModule, args=args, **kwargs)
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Recipe names after ``--config`` become their files' paths before jsonargparse reads them (it would
-        take an unknown name for inline YAML)."""
-        if args is None or isinstance(args, (list, tuple)):
-            try:
-                resolved = resolve_config_arguments(sys.argv[1:] if args is None else list(args))
-            except FileNotFoundError as error:
-                parser.error(str(error))
-            if args is None:  # what LightningCLI would parse from sys.argv, with the names resolved
-                self.config = parser.parse_args(resolved)
-                return
-            args = resolved
-        super().parse_arguments(parser, args)
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.seq_len", "model.seq_len")
-
-    def _check_vocab(self) -> None:
-        self.model.check_vocab(self.datamodule.vocab_size)
-
-    before_fit = before_validate = before_test = _check_vocab
+        return FedShardCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if command in ("-h", "--help"):
             print(EXTRA_COMMANDS)
+        from lightning_fedshard.training.cli import FedShardCLI
+
         FedShardCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
 

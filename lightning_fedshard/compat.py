@@ -14,9 +14,7 @@ The optional dependencies are imported through :func:`require_extra`, which name
 from __future__ import annotations
 
 import copyreg
-import importlib
 import inspect
-from types import ModuleType
 from typing import Any
 
 import lightning
@@ -25,6 +23,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+
+# The torch-only checks (the verifier's, which must not import Lightning), re-exported here.
+from lightning_fedshard._torch_compat import (
+    SUPPORTED_VERSIONS,
+    TorchDispatchMode,
+    private,
+    require_extra,
+    tree_leaves,
+    unsupported,
+)
 
 __all__ = [
     "SUPPORTED_VERSIONS",
@@ -43,26 +51,14 @@ __all__ = [
     "tree_leaves",
 ]
 
-#: What the package is built and tested against (pyproject.toml's ``dependencies`` say the same).
-SUPPORTED_VERSIONS = "torch>=2.9 (tested with 2.13) and lightning>=2.6,<2.7"
-
-_DISTRIBUTION = "lightning-fedshard"
-
 
 def _unsupported(what: str) -> ImportError:
-    return ImportError(
-        f"lightning_fedshard relies on {what}, which the installed torch {torch.__version__} / lightning"
-        f" {lightning.__version__} does not have. lightning_fedshard supports {SUPPORTED_VERSIONS}; install"
-        " a torch and lightning in that range."
-    )
+    return unsupported(what, f"torch {torch.__version__} / lightning {lightning.__version__}")
 
 
 def _private(module: str, name: str) -> Any:
     """``module.name``, or an ImportError naming it and the supported versions."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        raise _unsupported(f"the private `{module}.{name}`") from None
+    return private(module, name, f"torch {torch.__version__} / lightning {lightning.__version__}")
 
 
 def _check_methods(cls: type, *names: str, base: type = object) -> None:
@@ -100,20 +96,6 @@ def layout_pickle_global() -> tuple[str, str]:
     return rebuild.__module__, rebuild.__qualname__
 
 
-def require_extra(module: str, extra: str, feature: str) -> ModuleType:
-    """The optional dependency ``module``, imported; an ImportError naming the extra that installs it otherwise.
-
-    ``feature`` says what needs it, e.g. ``"fault-tolerant federation groups (fault_tolerance=...)"``.
-    """
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ImportError(
-            f"{feature} needs `{module}`, which is not installed ({err}). Install it with"
-            f" `pip install '{_DISTRIBUTION}[{extra}]'` (or `pip install -e '.[{extra}]'` in a checkout)."
-        ) from err
-
-
 # --- torch ---------------------------------------------------------------------------------------------------
 # FSDP2's custom collectives (DynamiQ's reduce-scatter, the byte ledger), torch >= 2.9.
 AllGather = _private("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather")
@@ -128,9 +110,6 @@ if "backend_override" not in inspect.signature(init_device_mesh).parameters:
     raise _unsupported("`torch.distributed.device_mesh.init_device_mesh(..., backend_override=...)`")
 # Activation checkpointing of FSDP units.
 checkpoint = _private("torch.distributed._composable", "checkpoint")
-# The verifier's memory accounting.
-TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
-tree_leaves = _private("torch.utils._pytree", "tree_leaves")
 # The classes a DCP ``.metadata`` pickle names (the group checkpoints' allow-list).
 _StorageInfo = _private("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 _MEM_FORMAT_ENCODING = _private("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")

@@ -10,15 +10,19 @@ from lightning_fedshard.strategies.registry import STRATEGY_NAMES, register_stra
 from lightning_fedshard.strategies.streaming import FragmentSchedule, StreamingSync, partition_fragments
 
 __all__ = [
+    "STRATEGY_NAMES",
     "CommLedger",
     "DynamiQDDPStrategy",
     "FLFSDPStrategy",
-    "FaultTolerance",
     "FLHSDPStrategy",
+    "FaultTolerance",
     "FedShardDims",
     "FragmentSchedule",
-    "STRATEGY_NAMES",
     "StreamingSync",
     "partition_fragments",
     "register_strategies",
 ]
+
+# Importing the strategies registers their names (``Trainer(strategy="fl_hsdp")``); the package root arranges this
+# import on Lightning's first registry look-up.
+register_strategies()

@@ -16,7 +16,6 @@ Every way of running an instance answers with one :class:`VerificationResult` (`
 from lightning_fedshard.verify.config import Method, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.instances import Instance, read_instances, run_instance, run_instances
-from lightning_fedshard.verify.lightning import VerificationModule, VnncompInstances, run_predict
 from lightning_fedshard.verify.memory import PeakMemoryMeter
 from lightning_fedshard.verify.onnx_loader import OnnxLoadError, load_onnx
 from lightning_fedshard.verify.phases import CasePhases
@@ -32,6 +31,18 @@ from lightning_fedshard.verify.spec import (
     write_result,
 )
 from lightning_fedshard.verify.verifier import verify, verify_files
+
+# The Lightning predict loop (and Lightning with it) loads on first use: a single-process run never needs it.
+_LIGHTNING_EXPORTS = frozenset({"VerificationModule", "VnncompInstances", "run_predict"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _LIGHTNING_EXPORTS:
+        from lightning_fedshard.verify import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BoundGraph",

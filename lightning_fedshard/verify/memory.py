@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_fedshard.compat import TorchDispatchMode, tree_leaves
+from lightning_fedshard._torch_compat import TorchDispatchMode, tree_leaves
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11

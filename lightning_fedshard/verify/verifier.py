@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_fedshard.compat import require_extra
+from lightning_fedshard._torch_compat import require_extra
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
