@@ -16,6 +16,7 @@ BENCHMARKS = {
     "optimizers": "lightning_fedshard.bench.optimizers",
     "faults": "lightning_fedshard.bench.faults",
     "ft-memory": "lightning_fedshard.bench.ft_memory",
+    "deadlines": "lightning_fedshard.bench.deadlines",
 }
 
 
