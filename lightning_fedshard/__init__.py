@@ -1,11 +1,12 @@
 """lightning_fedshard: FL+FSDP / FL+HSDP strategies for PyTorch Lightning, and Llama 3.1 pre-training on them.
 
 Importing the package registers the strategy names ``"fl_fsdp"``, ``"fl_hsdp"``, ``"fsdp2"``, ``"hsdp"`` and
-``"ddp_dynamiq"`` with Lightning (at once if ``lightning.pytorch`` is imported, else when it is); the public names load
-on first use, so ``import lightning_fedshard.verify`` never imports Lightning; ``lightning_fedshard.dynamiq`` holds the compressed collectives and the ``DynamiQ`` plugin;
-``lightning_fedshard.verify`` the neural-network verifier (``verify_files(onnx, vnnlib, VerifyConfig())``);
-``lightning_fedshard.optim`` the structure-aware optimizers ``Muon`` and ``AdamW8bit`` and the block-aligned shard planner
-``BlockShardPlan``; ``lightning_fedshard.bench.costmodel`` the communication and time cost of a training step
+``"ddp_dynamiq"`` with Lightning (at once if ``lightning.pytorch`` is imported, else when it is); the public names
+load on first use, so ``import lightning_fedshard.verify`` never imports Lightning. ``lightning_fedshard.dynamiq``
+holds the compressed collectives and the ``DynamiQ`` plugin; ``lightning_fedshard.verify`` the neural-network
+verifier (``verify_files(onnx, vnnlib, VerifyConfig())``); ``lightning_fedshard.optim`` the structure-aware
+optimizers ``Muon`` and ``AdamW8bit`` and the block-aligned shard planner ``BlockShardPlan``;
+``lightning_fedshard.bench.costmodel`` the communication and time cost of a training step
 (``step_time(Workload.for_llama(...), LEONARDO)``).
 """
 
