@@ -393,10 +393,11 @@ class HFWeights:
         """Whether the directory has no ``lm_head.weight`` (a tied head: the embedding is the output matrix)."""
         return _OUTPUT[1] not in self.file_of
 
-    def check(self, config: LlamaConfig, tie_word_embeddings: bool = False) -> None:
-        """Raises unless the directory holds exactly the tensors of ``config``'s model, at their shapes."""
+    def check(self, config: LlamaConfig) -> None:
+        """Raises unless the directory holds exactly the tensors of ``config``'s model, at their shapes (without
+        ``lm_head.weight`` for a tied head)."""
         expected = {to_hf_name(name): shape for name, shape in expected_shapes(config).items()}
-        if tie_word_embeddings or self.tied:
+        if self.tied:
             expected.pop(_OUTPUT[1])
         # Older conversions saved the rotary table; it is derived from the config, so it is not read.
         found = {name for name in self.file_of if not name.endswith("rotary_emb.inv_freq")}

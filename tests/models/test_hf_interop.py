@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from lightning_fedshard import LlamaPretraining, export_hf
 from lightning_fedshard.cli import main as fedshard
 from lightning_fedshard.models import Llama, LlamaConfig
-from lightning_fedshard.models.hf import HFWeights, read_hf_config, to_hf_name
+from lightning_fedshard.models.hf import CHECKPOINT_MODEL_KEY, HFWeights, read_hf_config, to_hf_name
 from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     describe_group_share,
@@ -35,9 +35,10 @@ WORKER = Path(__file__).with_name("hf_worker.py")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def save_checkpoint(path: Path, groups: list[Llama], extra: dict | None = None) -> Path:
+def save_checkpoint(path: Path, groups: list[Llama], record_config: bool = True, extra: dict | None = None) -> Path:
     """A checkpoint folder in the strategies' layout, written by their own functions: one DCP folder per group
-    (a single process writes each whole), then the manifest."""
+    (a single process writes each whole), then the manifest with what LlamaPretraining records (or, as older
+    checkpoints, only its hyper-parameters)."""
     staging = staging_dir(path, uuid.uuid4().hex)
     files = {}
     for k, model in enumerate(groups):
@@ -46,17 +47,21 @@ def save_checkpoint(path: Path, groups: list[Llama], extra: dict | None = None) 
         files.update(describe_group_share(staging, k, 0, 1))
     config = groups[0].config
     meta = {"hyper_parameters": {"preset": config.name}, FEDSHARD_KEY: {"num_groups": len(groups)}, **(extra or {})}
+    if record_config:
+        meta[CHECKPOINT_MODEL_KEY] = {"config": dataclasses.asdict(config), "architecture": "LlamaConfig"}
     finish_save(staging, path, meta, files)
     return path
 
 
-def model_of(preset: str, seed: int) -> Llama:
+def model_of(preset: str, seed: int, **overrides: object) -> Llama:
     torch.manual_seed(seed)
-    model = Llama(LlamaConfig.from_name(preset))
-    with torch.no_grad():  # norms start at 1: random ones check that each norm weight lands where it belongs
+    model = Llama(LlamaConfig.from_name(preset, **overrides))
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # norms start at 1: random ones check that each lands where it belongs
                 p.uniform_(0.5, 1.5)
+            if name.endswith(("wq.weight", "wk.weight")):  # sharp attention, so that the logits feel the rotary angles
+                p.mul_(8)
     return model
 
 
@@ -68,21 +73,28 @@ def hf_rows(ours: torch.Tensor, n_heads: int) -> torch.Tensor:
     return ours[order]
 
 
-@pytest.mark.parametrize("preset", ["llama3.1-tiny", "llama3.1-micro"])
-def test_exported_model_gives_transformers_the_same_logits(preset, tmp_path):
-    model = model_of(preset, seed=0)
+# Besides the presets' Llama 3.1 scaling (original context 8192), one whose every field differs from it.
+SHORT_CONTEXT = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0, "original_max_position": 32}
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [("llama3.1-tiny", {}), ("llama3.1-micro", {}), ("llama3.1-micro", {"rope_scaling": SHORT_CONTEXT})],
+    ids=["tiny", "micro", "micro-short-context"],
+)
+def test_exported_model_gives_transformers_the_same_logits(preset, overrides, tmp_path):
+    model = model_of(preset, seed=0, **overrides)
     ckpt = save_checkpoint(tmp_path / "last.ckpt", [model])
     out = export_hf(ckpt, tmp_path / "hf", max_shard_size="200KB")  # several shards and their index
-    assert (
-        len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
-        == 2 + 9 * len(model.layers) + 1
-    )
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(weight_map) == 2 + 9 * len(model.layers) + 1 and len(set(weight_map.values())) > 1
     config = json.loads((out / "config.json").read_text())
+    scaling = model.config.rope_scaling
     assert config["rope_scaling"] == {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position,
         "rope_type": "llama3",
     }
     assert (config["tie_word_embeddings"], config["rms_norm_eps"], config["rope_theta"]) == (False, 1e-5, 500000.0)
@@ -92,11 +104,16 @@ def test_exported_model_gives_transformers_the_same_logits(preset, tmp_path):
     tokens = torch.randint(0, 257, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=0, atol=1e-5)
+        # the comparison sees the scaling: without it our logits move far past the tolerance
+        unscaled = Llama(dataclasses.replace(model.config, rope_scaling=None))
+        unscaled.load_state_dict(model.state_dict())
+        assert (unscaled(tokens) - model(tokens)).abs().max() > 1e-4
 
 
 def test_round_trip_reproduces_every_parameter_bit_for_bit(tmp_path):
     model = model_of("llama3.1-micro", seed=2)
-    out = export_hf(save_checkpoint(tmp_path / "last.ckpt", [model]), tmp_path / "hf", max_shard_size=50_000)
+    ckpt = save_checkpoint(tmp_path / "last.ckpt", [model], record_config=False)  # the config from its preset
+    out = export_hf(ckpt, tmp_path / "hf", max_shard_size=50_000)
     imported = LlamaPretraining(init_from=out, seq_len=64)
     imported.configure_model()
     assert dataclasses.replace(imported.config, name=model.config.name) == model.config
@@ -177,8 +194,7 @@ def test_export_command_casts_and_ships_the_tokenizer(tmp_path):
     tok.train_from_iterator(["a b c"], trainers.WordLevelTrainer(special_tokens=["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]))  # fmt: skip
     tok.save(str(tmp_path / "tokenizer.json"))
     model = model_of("llama3.1-micro", seed=0)
-    extra = {"fedshard_model": {"config": dataclasses.asdict(model.config), "architecture": "LlamaConfig"}}
-    ckpt = save_checkpoint(tmp_path / "last.ckpt", [model], extra)
+    ckpt = save_checkpoint(tmp_path / "last.ckpt", [model])
     out = tmp_path / "hf"
     fedshard(["export", str(ckpt), str(out), "--dtype", "bfloat16", "--tokenizer", str(tmp_path / "tokenizer.json")])
     saved = load_file(out / "model.safetensors")
@@ -188,6 +204,16 @@ def test_export_command_casts_and_ships_the_tokenizer(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (hf_tok.eos_token, hf_tok.bos_token) == ("<|end_of_text|>", "<|begin_of_text|>")
+
+
+def test_the_training_path_imports_no_safetensors():
+    # transformers is left out: torchmetrics (MeanMetric's package) imports it whenever it is installed
+    code = (
+        "import sys, lightning_fedshard.training, lightning_fedshard.cli\n"
+        "print([m for m in ('safetensors', 'lightning_fedshard.models.hf_export') if m in sys.modules])"
+    )
+    result = run_isolated([sys.executable, "-c", code])
+    assert result.returncode == 0 and result.stdout.split()[-1] == "[]", result.stderr[-3000:]
 
 
 def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
