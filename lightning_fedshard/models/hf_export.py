@@ -3,8 +3,8 @@
 Every sharding strategy saves the same layout (:mod:`lightning_fedshard.strategies.group_checkpoint`): one
 ``torch.distributed.checkpoint`` folder per federation group (``group<k>/``; ``fsdp2`` and ``hsdp`` have one group)
 and a ``meta.pt`` manifest. The export reads one whole tensor at a time from the groups' DCP files, without a
-process group (DCP reassembles the ranks' shards), writes it in Hugging Face's name and rotary layout, and holds at
-most one output shard in memory. With several groups it writes their average by default (what FedAvg would adopt
+process group (DCP reassembles the ranks' shards), writes it in Hugging Face's name and rotary layout, and holds
+one output shard plus the tensor being read (its float64 sum when averaging), never the whole model. With several groups it writes their average by default (what FedAvg would adopt
 at the next sync; equal to every group's right after a sync), or one group's parameters with ``group=k``.
 
 Example::
@@ -25,7 +25,6 @@ from typing import Any
 
 import tokenizers
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_fedshard.data.tokenizer import ByteTokenizer, JSONTokenizer
@@ -42,7 +41,7 @@ from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     FILES_KEY,
     _GroupReader,
-    _WeightsOnlyLoadPlanner,
+    load_group_state,
     load_meta,
     verify_group_files,
 )
@@ -85,24 +84,20 @@ def export_hf(
     num_groups = int(saved["num_groups"])
     if group is not None and not 0 <= group < num_groups:
         raise ValueError(f"{str(path)!r} holds federation groups 0..{num_groups - 1}; there is no group {group}.")
-    groups = range(num_groups) if group is None else [group]
+    groups = list(range(num_groups)) if group is None else [group]
     config = _model_config(meta, path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"The export folder {str(out)!r} exists and is not empty; choose a new folder.")
-    readers = []
-    for k in groups:
-        if FILES_KEY in saved:
+    if FILES_KEY in saved:
+        for k in groups:
             verify_group_files(path, k, saved[FILES_KEY], 0, 1)
-        reader = _GroupReader(path, k)
-        reader.check_storage(reader.read_metadata())
-        readers.append(reader)
-    stored = _stored_tensors(readers[0], config, path)
+    stored = _stored_tensors(_GroupReader(path, groups[0]), config, path)
     out.mkdir(parents=True, exist_ok=True)
     out_dtype = {name: dtype or stored[name].properties.dtype for name in stored}
     sizes = {name: stored[name].size.numel() * torch.empty((), dtype=out_dtype[name]).element_size() for name in stored}
     writer = SafetensorsWriter(out, {to_hf_name(name): size for name, size in sizes.items()}, max_shard_size)
     for name, info in stored.items():
-        tensor = _read(readers, name, info).to(out_dtype[name])
+        tensor = _read(path, groups, name, info).to(out_dtype[name])
         writer.add(*to_hf_tensor(name, tensor, config))
     writer.close()
     _write_side_files(out, config, meta, tokenizer, out_dtype["tok_embeddings.weight"])
@@ -153,25 +148,20 @@ def _stored_tensors(reader: _GroupReader, config: LlamaConfig, path: Path) -> di
     return stored
 
 
-def _read(readers: list[_GroupReader], name: str, info: TensorStorageMetadata) -> torch.Tensor:
-    """The whole tensor ``name`` of one group, or the float64 mean over the groups of ``readers``."""
+def _read(path: Path, groups: list[int], name: str, info: TensorStorageMetadata) -> torch.Tensor:
+    """The whole tensor ``name`` of one group, or the float64 mean over ``groups``."""
     total: torch.Tensor | None = None
-    for reader in readers:
-        whole = torch.empty(tuple(info.size), dtype=info.properties.dtype)
-        try:
-            with warnings.catch_warnings():  # DCP warns on every load without a process group, which is the intent
-                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                state = {"state_dict": {"model." + name: whole}}
-                dcp.load(state, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(), no_dist=True)
-        except dcp.CheckpointException as err:
-            raise ValueError(f"Reading {name} from {reader.where} failed: {err}") from err
-        if not bool(torch.isfinite(whole).all()):
-            raise ValueError(f"{reader.where}: {name} holds non-finite values (NaN or inf).")
-        if len(readers) == 1:
+    for k in groups:
+        state = {"state_dict": {"model." + name: torch.empty(tuple(info.size), dtype=info.properties.dtype)}}
+        with warnings.catch_warnings():  # DCP warns on every load without a process group, which is the intent here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            load_group_state(path, k, state, None)  # also refuses non-finite values
+        whole = state["state_dict"]["model." + name]
+        if len(groups) == 1:
             return whole
         total = whole.double() if total is None else total.add_(whole.double())
     assert total is not None
-    return total.div_(len(readers)).to(info.properties.dtype)
+    return total.div_(len(groups)).to(info.properties.dtype)
 
 
 def _write_side_files(
