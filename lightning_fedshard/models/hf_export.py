@@ -25,6 +25,7 @@ from typing import Any
 
 import tokenizers
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_fedshard.data.tokenizer import ByteTokenizer, JSONTokenizer
@@ -41,7 +42,7 @@ from lightning_fedshard.strategies.group_checkpoint import (
     FEDSHARD_KEY,
     FILES_KEY,
     _GroupReader,
-    load_group_state,
+    _WeightsOnlyLoadPlanner,
     load_meta,
     verify_group_files,
 )
@@ -88,16 +89,20 @@ def export_hf(
     config = _model_config(meta, path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"The export folder {str(out)!r} exists and is not empty; choose a new folder.")
-    if FILES_KEY in saved:
-        for k in groups:
+    readers = []
+    for k in groups:
+        if FILES_KEY in saved:
             verify_group_files(path, k, saved[FILES_KEY], 0, 1)
-    stored = _stored_tensors(_GroupReader(path, groups[0]), config, path)
+        reader = _GroupReader(path, k)
+        reader.check_storage(reader.read_metadata())
+        readers.append(reader)
+    stored = _stored_tensors(readers[0], config, path)
     out.mkdir(parents=True, exist_ok=True)
     out_dtype = {name: dtype or stored[name].properties.dtype for name in stored}
     sizes = {name: stored[name].size.numel() * torch.empty((), dtype=out_dtype[name]).element_size() for name in stored}
     writer = SafetensorsWriter(out, {to_hf_name(name): size for name, size in sizes.items()}, max_shard_size)
     for name, info in stored.items():
-        tensor = _read(path, groups, name, info).to(out_dtype[name])
+        tensor = _read(readers, name, info).to(out_dtype[name])
         writer.add(*to_hf_tensor(name, tensor, config))
     writer.close()
     _write_side_files(out, config, meta, tokenizer, out_dtype["tok_embeddings.weight"])
@@ -148,20 +153,26 @@ def _stored_tensors(reader: _GroupReader, config: LlamaConfig, path: Path) -> di
     return stored
 
 
-def _read(path: Path, groups: list[int], name: str, info: TensorStorageMetadata) -> torch.Tensor:
-    """The whole tensor ``name`` of one group, or the float64 mean over ``groups``."""
+def _read(readers: list[_GroupReader], name: str, info: TensorStorageMetadata) -> torch.Tensor:
+    """The whole tensor ``name`` of one group, or the float64 mean over the groups of ``readers``."""
     total: torch.Tensor | None = None
-    for k in groups:
-        state = {"state_dict": {"model." + name: torch.empty(tuple(info.size), dtype=info.properties.dtype)}}
-        with warnings.catch_warnings():  # DCP warns on every load without a process group, which is the intent here
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            load_group_state(path, k, state, None)  # also refuses non-finite values
-        whole = state["state_dict"]["model." + name]
-        if len(groups) == 1:
+    for reader in readers:
+        whole = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        try:
+            with warnings.catch_warnings():  # DCP warns on every load without a process group, which is the intent
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                # no_dist: this process reads alone, also where a process group exists (rank 0 of a training job)
+                state = {"state_dict": {"model." + name: whole}}
+                dcp.load(state, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(), no_dist=True)
+        except dcp.CheckpointException as err:
+            raise ValueError(f"Reading {name} from {reader.where} failed: {err}") from err
+        if not bool(torch.isfinite(whole).all()):
+            raise ValueError(f"{reader.where}: {name} holds non-finite values (NaN or inf).")
+        if len(readers) == 1:
             return whole
         total = whole.double() if total is None else total.add_(whole.double())
     assert total is not None
-    return total.div_(len(groups)).to(info.properties.dtype)
+    return total.div_(len(readers)).to(info.properties.dtype)
 
 
 def _write_side_files(

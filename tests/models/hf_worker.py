@@ -69,8 +69,10 @@ def main(out: Path) -> None:
     fit.fit(LlamaPretraining("llama3.1-micro", seq_len=SEQ_LEN, lr=1e-2), datamodule=Tokens())
     exported = out / "group1-hf"
     if fit.global_rank == 0:
-        export_hf(out / "step=1.ckpt", exported, group=1)
-        (out / "exported").touch()
+        try:
+            export_hf(out / "step=1.ckpt", exported, group=1)
+        finally:  # on failure too: rank 1 then fails to find the export instead of waiting for ever
+            (out / "exported").touch()
     while not (out / "exported").exists():  # the other rank waits for rank 0's export
         time.sleep(0.1)
     sharded = FLFSDPStrategy(num_groups=1, shard_size=2, auto_wrap=[TransformerBlock])
