@@ -17,7 +17,7 @@ from torchmetrics import MeanMetric
 
 from lightning_fedshard.data.packing import IGNORE_INDEX
 from lightning_fedshard.models import GPT2, GPT2_PRESETS, GPT2Config, Llama, LlamaConfig, RopeScaling
-from lightning_fedshard.models.hf import CHECKPOINT_MODEL_KEY
+from lightning_fedshard.models.hf import CHECKPOINT_MODEL_KEY, HFWeights, install_hf_init, read_hf_config, reset_from_hf
 from lightning_fedshard.optim import AdamW8bit, Muon, muon_param_groups
 from lightning_fedshard.training.schedule import warmup_cosine
 
@@ -36,6 +36,7 @@ class LlamaPretraining(pl.LightningModule):
         preset: A name from :data:`lightning_fedshard.models.PRESETS` (``"llama3.1-8b"``, ``"llama3.1-1b"``,
             ``"llama3.1-tiny"``, ``"llama3.1-micro"``), or a GPT-2-style preset from
             :data:`~lightning_fedshard.models.GPT2_PRESETS` (``"gpt2-tiny"``; data-parallel strategies only).
+            ``None``: ``"llama3.1-tiny"``, or the shape of ``init_from``.
         overrides: Fields of :class:`~lightning_fedshard.models.LlamaConfig` to change on the preset.
         seq_len: Training sequence length (linked to the data module's by ``fedshard``); must fit the
             rotary context ``max_seq_len``.
@@ -46,12 +47,12 @@ class LlamaPretraining(pl.LightningModule):
             matrices with the same ``lr`` and ``weight_decay`` — Moonshot's RMS matching — and AdamW with ``lr``,
             ``betas``, ``eps`` for embeddings, norms and the output head).
         quant_block: AdamW8bit's block size (32, 64, 128 or 256).
+        warmup_fraction: Share of the run's optimizer steps spent warming up linearly.
+        min_lr_ratio: The cosine decay ends at ``lr * min_lr_ratio``.
         init_from: A Hugging Face ``LlamaForCausalLM`` directory (``config.json`` and ``model.safetensors`` or its
             shards) whose weights start the run instead of a random initialisation: continued pre-training. The
             model's shape comes from its ``config.json``; ``preset`` and ``overrides``, if given too, must agree with
             it field by field. Needs the ``[hf]`` extra. A resumed run (``ckpt_path``) takes the checkpoint's weights.
-        warmup_fraction: Share of the run's optimizer steps spent warming up linearly.
-        min_lr_ratio: The cosine decay ends at ``lr * min_lr_ratio``.
 
     Under a sharding strategy (``fl_fsdp``, ``fl_hsdp``, ``fsdp2``, ``hsdp``) the model is built on the meta
     device and each rank materialises only its shards. Validation logs ``val_loss`` (mean next-token
@@ -85,6 +86,7 @@ class LlamaPretraining(pl.LightningModule):
         self.config: LlamaConfig | GPT2Config
         if init_from is not None:
             self.config = _config_of_hf_directory(Path(init_from), preset, overrides or {}, name)
+            HFWeights(init_from).check(self.config)  # missing or misshapen tensors fail here, before any process group
         elif preset in GPT2_PRESETS:
             self.config = GPT2Config.from_name(preset, **(overrides or {}))
         else:
@@ -137,8 +139,6 @@ class LlamaPretraining(pl.LightningModule):
         with torch.device("meta") if sharded else nullcontext():
             self.model = Llama(self.config)
         if self.init_from is not None:
-            from lightning_fedshard.models.hf import install_hf_init, reset_from_hf
-
             # The strategies materialise a meta model through each module's reset_parameters(), which now loads.
             install_hf_init(self.model, self.init_from, self.config)
             if not sharded:
@@ -223,8 +223,6 @@ class LlamaPretraining(pl.LightningModule):
 def _config_of_hf_directory(directory: Path, preset: str | None, overrides: dict[str, Any], name: str) -> LlamaConfig:
     """The config of a Hugging Face Llama directory; ``preset`` and ``overrides``, if given, must describe the same
     model (a mismatch names the field), so that a recipe cannot silently train another shape than it says."""
-    from lightning_fedshard.models.hf import read_hf_config
-
     config = read_hf_config(directory)
     if preset is None and not overrides:
         return config

@@ -169,12 +169,12 @@ def test_export_and_import_refuse_bad_input(tmp_path):
         LlamaPretraining(init_from=out)
     (out / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(ValueError, match=r"down_proj.weight has shape \(64, 128\), but config.json implies \(64, 96\)"):
-        LlamaPretraining(init_from=out).configure_model()
+        LlamaPretraining(init_from=out)  # at construction, before any process group
     (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(
         ValueError, match=r"does not hold a Llama of its config.json: missing \['model.layers.2.input_layernorm.weight'"
     ):
-        LlamaPretraining(init_from=out).configure_model()
+        LlamaPretraining(init_from=out)
 
     foreign = tmp_path / "foreign.ckpt"
     staging = staging_dir(foreign, "0")
