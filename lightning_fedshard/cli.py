@@ -1,7 +1,8 @@
 """The ``fedshard`` command: LightningCLI for Llama 3.1 pre-training, plus ``demo`` and ``bench``.
 
 ``fedshard fit --config tiny/fl_hsdp`` (a recipe name or a YAML path) trains; ``validate``, ``test`` and ``--print_config``
-work as in any LightningCLI; ``fedshard verify`` runs neural-network verification. Strategies are set by registered name (``--trainer.strategy=fl_hsdp``) or
+work as in any LightningCLI; ``fedshard verify`` runs neural-network verification; ``fedshard export`` writes a
+checkpoint as a Hugging Face model. Strategies are set by registered name (``--trainer.strategy=fl_hsdp``) or
 with all their arguments as ``class_path``/``init_args`` in YAML.
 """
 
@@ -16,6 +17,7 @@ EXTRA_COMMANDS = """Other commands:
   fedshard demo [ARGS]     tiny FL+HSDP recipe next to the tiny HSDP baseline (see `fedshard demo --help`)
   fedshard bench NAME      a benchmark (`fedshard bench --help`)
   fedshard verify ...      verify an ONNX network against a VNN-LIB property (`fedshard verify --help`)
+  fedshard export CKPT OUT a checkpoint as a Hugging Face LlamaForCausalLM folder (`fedshard export --help`)
 """
 
 
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_fedshard.verify.cli import main as verify_main
 
         sys.exit(verify_main(args[1:], startup_counts=argv is None))
+    elif command == "export":
+        from lightning_fedshard.models.hf_export import main as export_main
+
+        export_main(args[1:])
     elif command == "bench":
         from lightning_fedshard.bench.__main__ import main as bench_main
 

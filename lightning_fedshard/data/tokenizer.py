@@ -78,6 +78,8 @@ class JSONTokenizer:
                 "pass `eos_token=` with the token that ends a document in this vocabulary."
             )
         self.eos_id: int = eos_id
+        #: The file itself: an export (``fedshard export``) copies it next to the model.
+        self.path = path
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

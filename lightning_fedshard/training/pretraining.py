@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -14,13 +16,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 
 from lightning_fedshard.data.packing import IGNORE_INDEX
-from lightning_fedshard.models import GPT2, GPT2_PRESETS, GPT2Config, Llama, LlamaConfig
+from lightning_fedshard.models import GPT2, GPT2_PRESETS, GPT2Config, Llama, LlamaConfig, RopeScaling
+from lightning_fedshard.models.hf import CHECKPOINT_MODEL_KEY, HFWeights, install_hf_init, read_hf_config, reset_from_hf
 from lightning_fedshard.optim import AdamW8bit, Muon, muon_param_groups
 from lightning_fedshard.training.schedule import warmup_cosine
 
-__all__ = ["OPTIMIZERS", "LlamaPretraining"]
+__all__ = ["DEFAULT_PRESET", "OPTIMIZERS", "LlamaPretraining"]
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
+DEFAULT_PRESET = "llama3.1-tiny"
 
 Batch = tuple[Tensor, Tensor]
 
@@ -32,6 +36,7 @@ class LlamaPretraining(pl.LightningModule):
         preset: A name from :data:`lightning_fedshard.models.PRESETS` (``"llama3.1-8b"``, ``"llama3.1-1b"``,
             ``"llama3.1-tiny"``, ``"llama3.1-micro"``), or a GPT-2-style preset from
             :data:`~lightning_fedshard.models.GPT2_PRESETS` (``"gpt2-tiny"``; data-parallel strategies only).
+            ``None``: ``"llama3.1-tiny"``, or the shape of ``init_from``.
         overrides: Fields of :class:`~lightning_fedshard.models.LlamaConfig` to change on the preset.
         seq_len: Training sequence length (linked to the data module's by ``fedshard``); must fit the
             rotary context ``max_seq_len``.
@@ -44,6 +49,10 @@ class LlamaPretraining(pl.LightningModule):
         quant_block: AdamW8bit's block size (32, 64, 128 or 256).
         warmup_fraction: Share of the run's optimizer steps spent warming up linearly.
         min_lr_ratio: The cosine decay ends at ``lr * min_lr_ratio``.
+        init_from: A Hugging Face ``LlamaForCausalLM`` directory (``config.json`` and ``model.safetensors`` or its
+            shards) whose weights start the run instead of a random initialisation: continued pre-training. The
+            model's shape comes from its ``config.json``; ``preset`` and ``overrides``, if given too, must agree with
+            it field by field. Needs the ``[hf]`` extra. A resumed run (``ckpt_path``) takes the checkpoint's weights.
 
     Under a sharding strategy (``fl_fsdp``, ``fl_hsdp``, ``fsdp2``, ``hsdp``) the model is built on the meta
     device and each rank materialises only its shards. Validation logs ``val_loss`` (mean next-token
@@ -58,7 +67,7 @@ class LlamaPretraining(pl.LightningModule):
 
     def __init__(
         self,
-        preset: str = "llama3.1-tiny",
+        preset: str | None = None,
         overrides: dict[str, Any] | None = None,
         seq_len: int = 256,
         lr: float = 3e-4,
@@ -69,15 +78,20 @@ class LlamaPretraining(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         optimizer: Literal["adamw", "adamw8bit", "muon"] = "adamw",
         quant_block: int = 128,
+        init_from: str | Path | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config: LlamaConfig | GPT2Config = (
-            GPT2Config.from_name(preset, **(overrides or {}))
-            if preset in GPT2_PRESETS
-            else LlamaConfig.from_name(preset, **(overrides or {}))
-        )
         name = type(self).__name__
+        self.config: LlamaConfig | GPT2Config
+        if init_from is not None:
+            self.config = _config_of_hf_directory(Path(init_from), preset, overrides or {}, name)
+            HFWeights(init_from).check(self.config)  # missing or misshapen tensors fail here, before any process group
+        elif preset in GPT2_PRESETS:
+            self.config = GPT2Config.from_name(preset, **(overrides or {}))
+        else:
+            self.config = LlamaConfig.from_name(preset or DEFAULT_PRESET, **(overrides or {}))
+        preset = self.config.name
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"{name}: `seq_len` must be a positive integer, got {seq_len!r}.")
         if seq_len > self.config.max_seq_len:
@@ -93,7 +107,10 @@ class LlamaPretraining(pl.LightningModule):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{name}: unknown `optimizer={optimizer!r}`; choose one of {OPTIMIZERS}.")
         self.seq_len = seq_len
+        self.init_from = None if init_from is None else Path(init_from)
         self.model: Llama | GPT2 | None = None
+        #: The data module's tokenizer (``"bytes"`` or a tokenizer.json path) and end-of-text id, for the export.
+        self.tokenizer_info: dict[str, Any] | None = None
         self.val_loss = MeanMetric()
         #: Read by TokenThroughputMonitor for MFU; set per batch since batch shapes are known only then.
         self.flops_per_batch = 0
@@ -121,11 +138,28 @@ class LlamaPretraining(pl.LightningModule):
         # sharding strategies materialise the meta model one shard per rank
         with torch.device("meta") if sharded else nullcontext():
             self.model = Llama(self.config)
+        if self.init_from is not None:
+            # The strategies materialise a meta model through each module's reset_parameters(), which now loads.
+            install_hf_init(self.model, self.init_from, self.config)
+            if not sharded:
+                reset_from_hf(self.model)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "vocab_size"):
             self.check_vocab(datamodule.vocab_size)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "eos_id"):
+            path = getattr(tokenizer, "path", None)
+            self.tokenizer_info = {"tokenizer": "bytes" if path is None else str(path), "eos_id": tokenizer.eos_id}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The whole config (an init_from directory may be gone by export time) and the tokenizer the run used.
+        checkpoint[CHECKPOINT_MODEL_KEY] = {
+            "config": dataclasses.asdict(self.config),
+            "architecture": type(self.config).__name__,
+            "tokenizer": self.tokenizer_info,
+        }
 
     def forward(self, tokens: Tensor) -> Tensor:
         assert self.model is not None, "configure_model() builds the model"
@@ -184,3 +218,28 @@ class LlamaPretraining(pl.LightningModule):
         if name == "adamw8bit":
             return AdamW8bit(groups, lr=hp.lr, betas=betas, eps=hp.eps, block_size=hp.get("quant_block", 128))
         return torch.optim.AdamW(groups, lr=hp.lr, betas=betas, eps=hp.eps, fused=self.device.type == "cuda")
+
+
+def _config_of_hf_directory(directory: Path, preset: str | None, overrides: dict[str, Any], name: str) -> LlamaConfig:
+    """The config of a Hugging Face Llama directory; ``preset`` and ``overrides``, if given, must describe the same
+    model (a mismatch names the field), so that a recipe cannot silently train another shape than it says."""
+    config = read_hf_config(directory)
+    if preset is None and not overrides:
+        return config
+    if preset in GPT2_PRESETS:
+        raise ValueError(f"{name}: init_from={str(directory)!r} holds a Llama, but preset={preset!r} is GPT-2.")
+    if preset is not None:
+        wanted = LlamaConfig.from_name(preset, **overrides)
+    else:
+        fields = dict(overrides)
+        if isinstance(fields.get("rope_scaling"), dict):
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        wanted = dataclasses.replace(config, **fields)
+    for field in dataclasses.fields(LlamaConfig):
+        if field.name != "name" and getattr(wanted, field.name) != getattr(config, field.name):
+            raise ValueError(
+                f"{name}: {field.name}={getattr(wanted, field.name)!r} from preset={preset!r} and overrides, but the"
+                f" init_from directory {str(directory)!r} has {field.name}={getattr(config, field.name)!r}"
+                " in its config.json. Drop `preset`/`overrides` to take the directory's shape."
+            )
+    return dataclasses.replace(config, name=wanted.name)
