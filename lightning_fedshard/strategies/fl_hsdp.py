@@ -492,7 +492,8 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     def stream_sync(self) -> None:
         """Streaming sync after an optimizer step: sends the fragment average due now, applies the one due now."""
-        if not self.dims.fed_enabled or self._streaming is None or not self._streaming.due(self.optimizer_steps):
+        fed = self.dims.fed_enabled or self._member is not None  # under fault tolerance a job is one group
+        if not fed or self._streaming is None or not self._streaming.due(self.optimizer_steps):
             return
         reshard_all(self.model)
         self._in_step = True  # a group healing from this one's fragment round resumes after this step
