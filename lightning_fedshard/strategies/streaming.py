@@ -238,7 +238,9 @@ class StreamingSync:
         whole-model round instead (:meth:`end_in_flight`), since which fragments agree differs between groups that
         failed rounds and groups that did not."""
         if self.rounds is not None:
-            raise RuntimeError("streaming sync under fault tolerance ends with end_in_flight() and a whole-model round.")
+            raise RuntimeError(
+                "streaming sync under fault tolerance ends with end_in_flight() and a whole-model round."
+            )
         closed = []
         if self.pending is not None:
             self.averager.finish(self.pending)

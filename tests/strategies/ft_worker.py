@@ -14,8 +14,9 @@ ranks). Each rank writes, atomically:
 
 It stops once Lightning's global step reaches ``at_step`` of ``<out>/stop.json``; with ``checkpoint`` in its config
 it first saves a checkpoint there and its state as ``<out>/g<G>_r<r>_saved<pid>.pt``. With ``resume`` it resumes
-from that checkpoint. With ``streaming`` (the strategy's streaming settings) the group runs streaming sync. With ``"fault_tolerance": false`` it is one job of ``num_groups`` groups without torchft
-(group label ``nf``), which stops at ``max_steps``: the reference for what each rank reads.
+from that checkpoint. With ``streaming`` (the strategy's streaming settings) the group runs streaming sync. With
+``"fault_tolerance": false`` it is one job of ``num_groups`` groups without torchft (group label ``nf``), which
+stops at ``max_steps``: the reference for what each rank reads.
 """
 
 from __future__ import annotations

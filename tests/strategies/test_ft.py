@@ -201,7 +201,8 @@ STREAMING = {
     "fragments": 2,
     "fragment_sync_delay": 1,
     "fragment_update_alpha": 0.0,
-    "auto_wrap": ["tests.strategies.worker.Block"],  # the blocks are FSDP units of their own: the model has pieces to cut into fragments
+    # the blocks are FSDP units of their own: the model has pieces to cut into fragments
+    "auto_wrap": ["tests.strategies.worker.Block"],
 }
 
 
