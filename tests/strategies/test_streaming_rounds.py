@@ -114,9 +114,8 @@ def test_a_group_healing_from_a_fragment_round_learns_which_fragment_it_joins():
     averager = _Averager(events)
     member = _member(events, [True])
     seen: list[int | None] = []
-    stream = StreamingSync(averager, FragmentSchedule.create(
-        sync_every=6, fragments=3, delay=1, alpha=0.0, owner="test"
-    ), rounds=member)  # fmt: skip
+    schedule = FragmentSchedule.create(sync_every=6, fragments=3, delay=1, alpha=0.0, owner="test")
+    stream = StreamingSync(averager, schedule, rounds=member)
     # the state a healing peer fetches is taken inside the quorum: there it names the fragment being sent
     member.manager.start_quorum = lambda timeout: seen.append(stream.sending)
     stream.step(1)
@@ -126,9 +125,8 @@ def test_a_group_healing_from_a_fragment_round_learns_which_fragment_it_joins():
 def test_end_of_fit_under_fault_tolerance_votes_on_the_fragment_in_flight():
     events: list[tuple] = []
     averager = _Averager(events)
-    stream = StreamingSync(averager, FragmentSchedule.create(
-        sync_every=6, fragments=3, delay=1, alpha=0.5, owner="test"
-    ), rounds=_member(events, [False]))  # fmt: skip
+    schedule = FragmentSchedule.create(sync_every=6, fragments=3, delay=1, alpha=0.5, owner="test")
+    stream = StreamingSync(averager, schedule, rounds=_member(events, [False]))
     stream.step(1)
     with pytest.raises(RuntimeError, match="end_in_flight"):
         stream.close(1)
