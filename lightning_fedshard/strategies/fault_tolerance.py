@@ -276,10 +276,23 @@ class FederationMember:
         restore, as torchft's own DiLoCo votes before its outer step: no copy of the parameters, global copies
         and momentum is kept during the round.
         """
+        return self.end_round(self.start_round(average), apply)
+
+    def start_round(self, start: Callable[[], T]) -> T:
+        """The first half of a round whose average overlaps training (a streaming fragment): the quorum (healing
+        this group first if it is behind), then ``start``, which sends the average without waiting for it and,
+        like ``run_round``'s ``average``, leaves the model and the outer state untouched. The group trains on
+        until :meth:`end_round`; no other round may start in between."""
         self._start_quorum()
-        averages = average()
+        return start()
+
+    def end_round(self, started: T, apply: Callable[[T], None], wait: Callable[[T], None] | None = None) -> bool:
+        """The second half: ``wait`` for the average (so a failed all-reduce reaches the vote), the group's vote,
+        then ``apply`` if it passed. Returns whether the round was applied; a round voted down changes nothing."""
+        if wait is not None:
+            wait(started)
         if self.manager.should_commit():
-            apply(averages)
+            apply(started)
             return True
         self.rounds_failed += 1
         log.warning(

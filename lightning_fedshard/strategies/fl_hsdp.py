@@ -202,15 +202,10 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 f"{name}: with `fault_tolerance` each federation group is a job of its own, so `num_groups` (groups"
                 f" inside this job's world) must be 1 or None, got {num_groups!r}; start one job per group."
             )
-        if fault_tolerance is not None and self._schedule is not None:
-            # a fragment's average in flight across a quorum change has no torchft round to commit or roll back in
-            raise ValueError(
-                f"{name}: `sync_schedule='streaming'` does not combine with `fault_tolerance` yet; use the blocking"
-                " schedule with fault tolerance, or streaming without it."
-            )
         self.fault_tolerance = fault_tolerance
         self._member: FederationMember | None = None
         self._joining = False  # the joining round (train start) runs: a heal then takes the peers' position
+        self._peer_fragment: int | None = None  # under streaming: the fragment round the group healed from runs
         self._in_step = False  # a round inside an optimizer step, whose end Lightning has not counted yet
         self._num_groups = num_groups
         self._shard_size = shard_size
@@ -414,7 +409,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
                 transport=self._member.transport if self._member else None,
             )
             if self._schedule is not None:
-                self._streaming = StreamingSync(self._averager, self._schedule)
+                self._streaming = StreamingSync(self._averager, self._schedule, rounds=self._member)
                 if self._compression("fed") is not None and self._schedule.delay:
                     rank_zero_warn(
                         f"{type(self).__name__}: DynamiQ's compressed ring runs in the training thread, so each"
@@ -455,12 +450,14 @@ class FLHSDPStrategy(ModelParallelStrategy):
     def _federation_progress(self) -> dict[str, Any]:
         progress: dict[str, Any] = {key: getattr(self, key) for key in _ROUND_COUNTERS}
         progress["trainer"] = trainer_progress(self.lightning_module.trainer, self._in_step)
+        progress["round_fragment"] = None if self._streaming is None else self._streaming.sending
         return progress
 
     def _load_federation_progress(self, progress: dict[str, Any]) -> None:
         for key in _ROUND_COUNTERS:
             setattr(self, key, progress[key])
         load_trainer_progress(self.lightning_module.trainer, progress["trainer"], joining=self._joining)
+        self._peer_fragment = progress.get("round_fragment")
 
     def _compression(self, traffic: str) -> Compression | None:
         """The ``DynamiQ`` plugin's settings when it asks for ``traffic`` to be compressed."""
@@ -495,10 +492,16 @@ class FLHSDPStrategy(ModelParallelStrategy):
 
     def stream_sync(self) -> None:
         """Streaming sync after an optimizer step: sends the fragment average due now, applies the one due now."""
-        if not self.dims.fed_enabled or self._streaming is None or not self._streaming.due(self.optimizer_steps):
+        fed = self.dims.fed_enabled or self._member is not None  # under fault tolerance a job is one group
+        if not fed or self._streaming is None or not self._streaming.due(self.optimizer_steps):
             return
         reshard_all(self.model)
-        if self._streaming.step(self.optimizer_steps) == self._schedule.fragments - 1:
+        self._in_step = True  # a group healing from this one's fragment round resumes after this step
+        try:
+            applied = self._streaming.step(self.optimizer_steps)
+        finally:
+            self._in_step = False
+        if applied == self._schedule.fragments - 1:
             self.syncs += 1  # a round: every fragment averaged once
             self._steps_at_last_sync = self.optimizer_steps
 
@@ -535,14 +538,43 @@ class FLHSDPStrategy(ModelParallelStrategy):
             # join: a group that starts late or restarts takes the federation's current state and position
             self._joining = True
             try:
-                self.fed_sync()
+                if self._streaming is None:
+                    self.fed_sync()
+                else:
+                    self._join_stream()
             finally:
                 self._joining = False
+
+    def _join_stream(self) -> None:
+        """The joining round under streaming sync: the quorum heals a late or restarted group from a peer, which
+        is then either in the whole-model round every group runs at train start, or at one fragment's send point
+        (nothing in flight there), whose round this group joins; it then follows the schedule from the peers'
+        step. A group that did not heal runs the whole-model round with the others."""
+        assert self._member is not None and self._streaming is not None and self._averager is not None
+        reshard_all(self.model)
+        self._peer_fragment = None
+        started = self._member.start_round(
+            lambda: self._average() if self._peer_fragment is None else self._averager.start(self._peer_fragment)
+        )
+        if isinstance(started, PendingAverage):
+            self._streaming.pending = started
+            if self._streaming.apply_due(self.optimizer_steps) == self._schedule.fragments - 1:
+                self.syncs += 1
+                self._steps_at_last_sync = self.optimizer_steps
+        elif self._member.end_round(started, self._apply_average):
+            self.syncs += 1
+            self._steps_at_last_sync = self.optimizer_steps
 
     @override
     def on_train_end(self) -> None:
         # The fitted model is the federation's consensus, even when the run stops between syncs.
-        if self._streaming is not None and self.dims.fed_enabled:
+        if self._streaming is not None and self._member is not None:
+            # under fault tolerance: the fragment in flight ends its round, then one whole-model round, so every
+            # group present ends equal whichever fragment rounds it failed
+            reshard_all(self.model)
+            self._streaming.end_in_flight()
+            self.fed_sync()
+        elif self._streaming is not None and self.dims.fed_enabled:
             reshard_all(self.model)
             if self._streaming.close(self.optimizer_steps):
                 self.syncs += 1
@@ -671,6 +703,13 @@ class FLHSDPStrategy(ModelParallelStrategy):
         if self._averager is not None:
             state["outer"] = self._averager.state_dict()
         in_flight = saved.get("in_flight_fragment")
+        if in_flight is not None and self._member is not None:
+            rank_zero_warn(
+                f"The checkpoint {str(path)!r} was saved with fragment {in_flight}'s average in flight; under fault"
+                " tolerance that average was never voted on, so it is dropped: the fragment keeps the checkpoint's"
+                " local shards and is averaged again at its next round."
+            )
+            in_flight = None
         if in_flight is not None:
             if self._streaming is None:
                 raise ValueError(

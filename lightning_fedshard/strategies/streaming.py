@@ -15,11 +15,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fedshard.strategies.averager import FedAverager, PendingAverage
+
+if TYPE_CHECKING:
+    from lightning_fedshard.strategies.fault_tolerance import FederationMember
 
 __all__ = ["SYNC_SCHEDULES", "FragmentSchedule", "StreamingSync", "partition_fragments"]
 
@@ -152,22 +156,32 @@ class StreamingSync:
     """Runs a :class:`FragmentSchedule` on a :class:`FedAverager`: sends and applies fragments' averages as the
     optimizer steps go by, keeping the one in flight.
 
+    With ``rounds`` (a :class:`~lightning_fedshard.strategies.fault_tolerance.FederationMember`), each fragment's
+    average is a torchft round of its own: the quorum when it is sent, the vote when it is due; a fragment voted
+    down is left as it was before the round, and the other fragments are untouched.
+
     Example::
 
-        stream = StreamingSync(averager, schedule)
+        stream = StreamingSync(averager, schedule)  # or StreamingSync(averager, schedule, rounds=member)
         stream.step(strategy.optimizer_steps)  # after every optimizer step, FSDP modules resharded
         stream.close(strategy.optimizer_steps)  # at the end of fit: every group holds the same parameters
     """
 
-    def __init__(self, averager: FedAverager, schedule: FragmentSchedule) -> None:
+    def __init__(
+        self, averager: FedAverager, schedule: FragmentSchedule, rounds: FederationMember | None = None
+    ) -> None:
         if len(averager.fragments) != schedule.fragments:
             raise ValueError(
                 f"the averager has {len(averager.fragments)} fragments, the schedule {schedule.fragments}."
             )
         self.averager = averager
         self.schedule = schedule
+        self.rounds = rounds
         self.pending: PendingAverage | None = None
+        self.sending: int | None = None
+        """The fragment whose round's quorum runs now (what a group healing from this one joins), else None."""
         self.fragment_syncs = 0
+        self.fragments_voted_down = 0
         self._agreed_at: dict[int, int] = {}
         """Fragments whose local shards equal their global copy, by the step at which they were applied."""
 
@@ -178,17 +192,38 @@ class StreamingSync:
     def step(self, step: int) -> int | None:
         """Sends and applies what is due after optimizer step ``step``; returns the fragment applied, if any."""
         if (fragment := self.schedule.starting(step)) is not None:
-            if self.pending is not None:
-                raise RuntimeError(
-                    f"streaming sync: fragment {self.pending.fragment} is still in flight at step {step}."
-                )
+            self.send(fragment, step)
+        return self.apply_due(step)
+
+    def send(self, fragment: int, step: int) -> None:
+        """Sends ``fragment``'s average (in its own round's quorum under fault tolerance) without waiting."""
+        if self.pending is not None:
+            raise RuntimeError(f"streaming sync: fragment {self.pending.fragment} is still in flight at step {step}.")
+        if self.rounds is None:
             self.pending = self.averager.start(fragment)
+            return
+        self.sending = fragment
+        try:
+            self.pending = self.rounds.start_round(lambda: self.averager.start(fragment))
+        finally:
+            self.sending = None
+
+    def apply_due(self, step: int) -> int | None:
+        """Applies the fragment due after optimizer step ``step`` (under fault tolerance: if its round's vote
+        passes); returns it, or None when none is due or the vote failed."""
         if (fragment := self.schedule.finishing(step)) is None:
             return None
         if self.pending is None or self.pending.fragment != fragment:
             raise RuntimeError(f"streaming sync: fragment {fragment} is due at step {step} but was never sent.")
-        self.averager.finish(self.pending, self.schedule.alpha)
-        self.pending = None
+        pending, self.pending = self.pending, None
+        if self.rounds is None:
+            self.averager.finish(pending, self.schedule.alpha)
+        elif not self.rounds.end_round(
+            pending, lambda p: self.averager.finish(p, self.schedule.alpha), wait=self.averager.complete
+        ):
+            self.fragments_voted_down += 1
+            self._agreed_at.pop(fragment, None)
+            return None
         self.fragment_syncs += 1
         if self.schedule.delay == 0 and self.schedule.alpha == 0:
             self._agreed_at[fragment] = step
@@ -197,7 +232,15 @@ class StreamingSync:
     def close(self, step: int) -> list[int]:
         """Ends streaming at optimizer step ``step`` with every group holding the same parameters: the fragment in
         flight is applied without mixing (alpha 0), and every fragment whose local shards moved since it was last
-        applied is averaged at once. Returns the fragments averaged here."""
+        applied is averaged at once. Returns the fragments averaged here.
+
+        Under fault tolerance the fragment in flight ends its round (its vote), and the caller then runs one
+        whole-model round instead (:meth:`end_in_flight`), since which fragments agree differs between groups that
+        failed rounds and groups that did not."""
+        if self.rounds is not None:
+            raise RuntimeError(
+                "streaming sync under fault tolerance ends with end_in_flight() and a whole-model round."
+            )
         closed = []
         if self.pending is not None:
             self.averager.finish(self.pending)
@@ -211,6 +254,18 @@ class StreamingSync:
                 closed.append(fragment)
         self.fragment_syncs += len(closed)
         return closed
+
+    def end_in_flight(self) -> int | None:
+        """Under fault tolerance, at the end of fit: the fragment in flight ends its round now (waited for, voted
+        on, applied without mixing if the vote passes). Returns it if it was applied."""
+        if self.rounds is None or self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        if not self.rounds.end_round(pending, self.averager.finish, wait=self.averager.complete):
+            self.fragments_voted_down += 1
+            return None
+        self.fragment_syncs += 1
+        return pending.fragment
 
 
 def _is_int(value: object) -> bool:

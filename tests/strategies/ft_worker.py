@@ -14,8 +14,9 @@ ranks). Each rank writes, atomically:
 
 It stops once Lightning's global step reaches ``at_step`` of ``<out>/stop.json``; with ``checkpoint`` in its config
 it first saves a checkpoint there and its state as ``<out>/g<G>_r<r>_saved<pid>.pt``. With ``resume`` it resumes
-from that checkpoint. With ``"fault_tolerance": false`` it is one job of ``num_groups`` groups without torchft
-(group label ``nf``), which stops at ``max_steps``: the reference for what each rank reads.
+from that checkpoint. With ``streaming`` (the strategy's streaming settings) the group runs streaming sync. With
+``"fault_tolerance": false`` it is one job of ``num_groups`` groups without torchft (group label ``nf``), which
+stops at ``max_steps``: the reference for what each rank reads.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def local_state(strategy: FLFSDPStrategy) -> dict[str, dict[str, torch.Tensor]]:
 
 
 class Recording(FLFSDPStrategy):
-    """Records every round; with ``fail_round`` k the group votes down the k-th round of this launch (its joining
+    """Records every round (under streaming sync every fragment's round: the fragment and its parameters' names
+    with it); with ``fail_round`` k the group votes down the k-th round of this launch (its joining
     round is round 0) by reporting an error to its Manager after the average, as a failure inside it would."""
 
     def __init__(self, out: Path, group: int, fail_round: int | None = None, **kwargs: Any) -> None:
@@ -109,34 +111,45 @@ class Recording(FLFSDPStrategy):
 
     def _join_federation(self):
         member = super()._join_federation()
-        run_round = member.run_round
+        start_round, end_round = member.start_round, member.end_round
+        record: dict[str, Any] = {}
 
-        def recorded_round(average, apply):
-            record: dict[str, Any] = {}
-
-            def recorded_average():
+        def recorded_start(start):
+            def recorded():
+                stream = self._streaming
+                # the fragment this round averages: the one being sent, the peers' one when joining, else the model
+                fragment = stream.sending if stream is not None and stream.sending is not None else None
+                if fragment is None and stream is not None and self._joining:
+                    fragment = self._peer_fragment
+                averager = self._averager
+                indices = range(len(averager.named_params)) if fragment is None else averager.fragments[fragment]
+                record.clear()
                 record.update(
                     round=member.manager.current_step(),
                     groups=member.manager.num_participants(),
                     optimizer_steps=self.optimizer_steps,
+                    fragment=fragment,
+                    names=[averager.named_params[i][0] for i in indices],
                     pre=local_state(self),
                 )
-                averages = average()
-                if self.rounds_run == self.fail_round:
-                    member.manager.report_error(RuntimeError(f"round {self.rounds_run} failed on purpose"))
-                self.rounds_run += 1
-                return averages
+                return start()
 
-            record["committed"] = run_round(recorded_average, apply)
+            return start_round(recorded)
+
+        def recorded_end(started, apply, wait=None):
+            if self.rounds_run == self.fail_round:
+                member.manager.report_error(RuntimeError(f"round {self.rounds_run} failed on purpose"))
+            self.rounds_run += 1
+            record["committed"] = end_round(started, apply, wait)
             record["post"] = local_state(self)
             name = (
                 f"g{self.group}_r{self.global_rank}_round{record['round']}_groups{record['groups']}"
                 f"_{'committed' if record['committed'] else 'dropped'}_{os.getpid()}.pt"
             )
-            _save(record, self.out / name)
+            _save(dict(record), self.out / name)
             return record["committed"]
 
-        member.run_round = recorded_round
+        member.start_round, member.end_round = recorded_start, recorded_end
         return member
 
 
@@ -199,6 +212,7 @@ def main(cfg: dict) -> None:
         cfg.get("fail_round") if group == cfg.get("fail_group") else None,
         sync_every=cfg["sync_every"],
         outer_optimizer=cfg["outer_optimizer"],
+        **cfg.get("streaming", {}),
         timeout=timedelta(seconds=cfg["timeout_s"]),
         **layout,
     )

@@ -196,6 +196,23 @@ def compressed_story(tmp_path_factory):
     yield from play(tmp_path_factory.mktemp("ft_dynamiq"), 1, devices=1, bits=5.0, fail_group=1, fail_round=1)
 
 
+STREAMING = {
+    "sync_schedule": "streaming",
+    "fragments": 2,
+    "fragment_sync_delay": 1,
+    "fragment_update_alpha": 0.0,
+    # the blocks are FSDP units of their own: the model has pieces to cut into fragments
+    "auto_wrap": ["tests.strategies.worker.Block"],
+}
+
+
+@pytest.fixture(scope="module")
+def streaming_story(tmp_path_factory):
+    """The story under streaming sync (two fragments, one sent a step before it is due), one rank per group: each
+    fragment's average is a torchft round of its own, so a kill lands mid-fragment."""
+    yield from play(tmp_path_factory.mktemp("ft_streaming"), CYCLES, devices=1, streaming=STREAMING)
+
+
 def nesterov_step(reference, momentum, mean_pseudo_grad):
     """torch.optim.SGD(nesterov=True) on one tensor, as the averager's outer step runs it."""
     buf = momentum * OUTER_MOMENTUM + mean_pseudo_grad
@@ -461,3 +478,58 @@ def test_a_round_voted_down_leaves_the_group_as_before_it_and_the_group_heals(co
             torch.cat([t.reshape(-1) for t in after["pre"]["reference"].values()]),
             torch.cat([t.reshape(-1) for t in g0.record(ours[record["round"] + 1])["pre"]["reference"].values()]),
         )
+
+
+def test_streaming_fragment_rounds_survive_kills_and_each_committed_one_is_the_reference_step(streaming_story):
+    """Under streaming sync, through three kills mid-training: group 0 trains on alone; every fragment round both
+    groups committed took the same fragment at the same step from the same global state, and left that
+    fragment's parameters bitwise equal on both groups and equal to DiLoCo's Nesterov step on the mean
+    pseudo-gradient, computed here from the two groups' contributions."""
+    g0, g1, events = streaming_story
+    assert events["returncodes"] == [0, 0], events["logs"][0][-4000:] + events["logs"][1][-4000:]
+    assert len(events["outages"]) == CYCLES
+    for outage in events["outages"]:
+        assert outage["g1_returncode"] != 0
+        assert outage["steps_after"] > outage["steps_before"], outage  # the survivor kept training
+    ours, theirs = g0.rounds(groups=2), g1.rounds(groups=2)
+    assert len(ours.keys() ^ theirs.keys()) <= CYCLES, sorted(ours.keys() ^ theirs.keys())
+    fragments_seen = set()
+    for n in sorted(ours.keys() & theirs.keys()):
+        a, b = g0.record(ours[n]), g1.record(theirs[n])
+        assert (a["fragment"], a["optimizer_steps"], a["names"]) == (b["fragment"], b["optimizer_steps"], b["names"])
+        fragments_seen.add(a["fragment"])
+        for name in a["names"]:
+            for part in ("reference", "momentum"):
+                assert torch.equal(a["pre"][part][name], b["pre"][part][name]), (n, part, name)
+            reference = a["pre"]["reference"][name]
+            mean = ((reference - a["pre"]["local"][name]) + (reference - b["pre"]["local"][name])) / 2
+            expected, buf = nesterov_step(reference, a["pre"]["momentum"][name], mean)
+            for post in (a["post"], b["post"]):
+                torch.testing.assert_close(post["local"][name], expected, rtol=0, atol=1e-6)
+                torch.testing.assert_close(post["momentum"][name], buf, rtol=0, atol=1e-6)
+            assert torch.equal(a["post"]["local"][name], b["post"]["local"][name]), (n, name)
+    assert {0, 1} <= fragments_seen, fragments_seen  # both fragments' rounds, not only whole-model ones
+
+
+def test_under_streaming_a_rejoining_group_heals_at_a_send_point_and_joins_that_fragments_round(streaming_story):
+    g0, g1, events = streaming_story
+    assert events["returncodes"] == [0, 0], events["logs"][1][-4000:]
+    for pid in events["g1_launch_pids"]:
+        joined = g1.rounds(0, {pid})
+        first = min(joined)
+        own_start = torch.load(g1.out / f"g1_r0_start{pid}.pt", weights_only=True)
+        mine, theirs = g1.record(joined[first]), g0.record(g0.rounds(0)[first])
+        assert first > 0 and mine["fragment"] == theirs["fragment"] is not None, (first, mine["fragment"])
+        assert mine["optimizer_steps"] == theirs["optimizer_steps"]
+        for name, start in own_start.items():  # healed from group 0 before contributing
+            assert not torch.equal(start, mine["pre"]["local"][name]), name
+            assert torch.equal(mine["pre"]["local"][name], theirs["pre"]["local"][name]), name
+        for part in ("reference", "momentum"):
+            for name, tensor in theirs["pre"][part].items():
+                assert torch.equal(mine["pre"][part][name], tensor), (part, name)
+    # the end of fit: one whole-model round, which both groups committed, leaves them equal
+    last = max(g0.rounds(groups=2).keys() & g1.rounds(groups=2).keys())
+    a, b = g0.record(g0.rounds()[last]), g1.record(g1.rounds()[last])
+    assert a["fragment"] is None and len(a["names"]) == len(a["post"]["local"])
+    for name, tensor in a["post"]["local"].items():
+        assert torch.equal(tensor, b["post"]["local"][name]), name

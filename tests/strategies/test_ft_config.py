@@ -82,8 +82,9 @@ def test_a_job_is_one_group():
         FLHSDPStrategy(num_groups=2, fault_tolerance=FaultTolerance())
     with pytest.raises(TypeError, match="`fault_tolerance` must be a FaultTolerance or None"):
         FLFSDPStrategy(fault_tolerance={"lighthouse": "http://h:1"})
-    with pytest.raises(ValueError, match="`sync_schedule='streaming'` does not combine with `fault_tolerance`"):
-        FLFSDPStrategy(sync_every=4, sync_schedule="streaming", fragments=2, fault_tolerance=FaultTolerance())
+    # streaming sync runs each fragment's average as a torchft round of its own (docs/fault_tolerance.md)
+    streaming = FLFSDPStrategy(sync_every=4, sync_schedule="streaming", fragments=2, fault_tolerance=FaultTolerance())
+    assert streaming.fault_tolerance is not None and streaming._schedule.fragments == 2
     # one group over the job's world: the layout that elsewhere needs two groups fits two devices
     assert FLFSDPStrategy(fault_tolerance=FaultTolerance()).layout(1, 2).num_groups == 1
 
