@@ -42,11 +42,12 @@ from lightning_fedshard.bench.costmodel import (
 )
 from lightning_fedshard.bench.netns import ClusterUnavailable, NamespaceCluster, check_available
 from lightning_fedshard.bench.recipes import TINY, fit_arguments, metrics_path, read_metrics, summarize
-from lightning_fedshard.bench.step_profile import format_profiles, mean_profile, read_profiles
+from lightning_fedshard.bench.step_profile import format_by_position, format_profiles, mean_profile, read_profiles
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.strategies import FedShardDims, partition_fragments
 from lightning_fedshard.strategies.apply import fsdp_units
 from lightning_fedshard.strategies.ledger import TIERS
+from lightning_fedshard.strategies.streaming import FragmentSchedule
 
 __all__ = ["NODES", "RANKS_PER_NODE", "LinkBytesMonitor", "Run", "machine_cluster", "main", "recipe_workload"]
 
@@ -425,7 +426,31 @@ def format_table(runs: list[Run]) -> str:
     for rate in sorted({r.rate_mbit for r in runs if r.profile}):
         profiles = {r.name: r.profile for r in runs if r.rate_mbit == rate and r.profile}
         lines += ["", f"step profile at {rate:g} Mbit/s", format_profiles(profiles)]
+    schedule = _streaming_schedule()
+    names = {}
+    for step in range(1, schedule.interval + 1):
+        if schedule.starting(step) is not None:
+            names[step % schedule.interval] = "(sends after it)"
+        if schedule.finishing(step) is not None:
+            names[step % schedule.interval] = "(applies after it)"
+    for rate in sorted({r.rate_mbit for r in runs if r.profile}):
+        profiles = {r.name: r.profile for r in runs if r.rate_mbit == rate and r.profile and "streaming" in r.name}
+        if profiles:
+            lines += [
+                "",
+                f"streaming steps by their place in the fragment schedule at {rate:g} Mbit/s (wall ms, mean of ranks)",
+                format_by_position(profiles, schedule.interval, names),
+            ]
     return "\n".join(lines)
+
+
+def _streaming_schedule() -> FragmentSchedule:
+    """The schedule of the "+streaming" runs: :data:`STREAMING` on the FL recipes' sync interval."""
+    sync_every = yaml.safe_load((TINY / "fl_fsdp.yaml").read_text())["trainer"]["strategy"]["init_args"]["sync_every"]
+    return FragmentSchedule.create(
+        sync_every=sync_every, fragments=STREAMING["fragments"], delay=STREAMING["fragment_sync_delay"],
+        alpha=STREAMING["fragment_update_alpha"], owner="multitier.STREAMING",
+    )  # fmt: skip
 
 
 def plot(runs: list[Run], out_dir: Path) -> list[Path]:

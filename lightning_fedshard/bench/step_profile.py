@@ -30,8 +30,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 __all__ = [
     "PARTS",
     "StepProfiler",
-    "core_utilisation",
     "cpu_times",
+    "format_by_position",
     "format_profiles",
     "mean_profile",
     "read_profiles",
@@ -112,7 +112,9 @@ class _Clock:
 class StepProfiler(Callback):
     """Breaks each training step's wall time into :data:`PARTS` and writes the totals of rank ``r`` to
     ``<directory>/rank<r>.json``: ``{"steps", "wall": {part: s}, "cpu": {part: s}, "threads": {name: s},
-    "core_busy": [fraction per core of the machine]}`` (threads: CPU seconds of each thread of the rank's process).
+    "core_busy"/"core_kernel": [fraction per core of the machine], "per_step": {step: {part: s}}}`` (threads: CPU
+    seconds of each thread of the rank's process; core_kernel: the part of the time spent in the kernel, network
+    stack included).
 
     The first ``skip_steps`` steps (start-up: first all-gathers, allocator warm-up) are not counted; neither is
     validation. The wrappers cost two clock reads per collective.
@@ -130,9 +132,12 @@ class StepProfiler(Callback):
         self.steps = 0
         self._restore: list[Callable[[], None]] = []
         self._threads_at_start: dict[str, float] = {}
-        self._core_ticks: list[tuple[int, int]] | None = None
-        """Per core, (busy, all) ticks of /proc/stat while the steps were counted."""
-        self._core_mark: list[tuple[int, int]] = []
+        self._core_ticks: list[tuple[int, ...]] | None = None
+        """Per core, :func:`cpu_times`' ticks while the steps were counted."""
+        self._core_mark: list[tuple[int, ...]] = []
+        self.per_step: dict[int, dict[str, float]] = {}
+        """Wall seconds per part of each counted step, by optimizer step."""
+        self._wall_at_last_step: dict[str, float] = {}
 
     # ---- wrapping ----------------------------------------------------------------------------------------
 
@@ -186,9 +191,12 @@ class StepProfiler(Callback):
             self.clock.reset()
             self._threads_at_start = _thread_cpu_seconds()
             self._core_mark = cpu_times()
-            self._core_ticks = [(0, 0)] * len(self._core_mark)
+            self._core_ticks = [(0, 0, 0)] * len(self._core_mark)
         elif trainer.global_step > self.skip_steps:
             self.steps += 1
+            last = self._wall_at_last_step
+            self.per_step[trainer.global_step] = {p: s - last.get(p, 0.0) for p, s in self.clock.wall.items()}
+        self._wall_at_last_step = dict(self.clock.wall)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # validation inside fit, not a trainer.validate()
@@ -206,8 +214,8 @@ class StepProfiler(Callback):
         elif self._core_ticks is not None and self._core_mark:
             now = cpu_times()
             self._core_ticks = [
-                (busy + b1 - b0, total + t1 - t0)
-                for (busy, total), (b0, t0), (b1, t1) in zip(self._core_ticks, self._core_mark, now, strict=True)
+                tuple(sum_ + b - a for sum_, a, b in zip(ticks, mark, new, strict=True))
+                for ticks, mark, new in zip(self._core_ticks, self._core_mark, now, strict=True)
             ]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -217,9 +225,16 @@ class StepProfiler(Callback):
         self._restore.clear()
         now = _thread_cpu_seconds()
         threads = {name: now[name] - self._threads_at_start.get(name, 0.0) for name in now}
-        cores = [busy / max(total, 1) for busy, total in self._core_ticks or []]
-        record = {"steps": self.steps, "wall": self.clock.wall, "cpu": self.clock.cpu, "threads": threads,
-                  "core_busy": cores}  # fmt: skip
+        ticks = self._core_ticks or []
+        record = {
+            "steps": self.steps,
+            "wall": self.clock.wall,
+            "cpu": self.clock.cpu,
+            "threads": threads,
+            "core_busy": [busy / max(total, 1) for busy, _, total in ticks],
+            "core_kernel": [kernel / max(total, 1) for _, kernel, total in ticks],
+            "per_step": self.per_step,
+        }
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
 
@@ -253,7 +268,8 @@ def read_profiles(directory: Path) -> list[dict[str, Any]]:
 def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Seconds per step, averaged over the ranks: ``wall``/``cpu`` per part, ``step`` (their sum: the step's wall
     time), the CPU seconds of the main thread and of all other threads (gloo's among them) per step, and each
-    core's busy fraction while the steps ran (``core_busy``, rank 0's reading)."""
+    core's busy fraction while the steps ran (``core_busy``, of it in the kernel ``core_kernel``: rank 0's reading),
+    and ``per_step``: the parts' wall seconds of each counted optimizer step."""
     per_step = [
         {
             "wall": {part: r["wall"][part] / r["steps"] for part in PARTS},
@@ -272,6 +288,12 @@ def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     mean["step"] = sum(mean["wall"].values())
     mean["steps"] = min(r["steps"] for r in records)
     mean["core_busy"] = records[0]["core_busy"]  # the machine's cores: the same for every rank
+    mean["core_kernel"] = records[0]["core_kernel"]
+    steps = set.intersection(*(set(r["per_step"]) for r in records))
+    mean["per_step"] = {
+        int(step): {part: sum(r["per_step"][step][part] for r in records) / n for part in PARTS}
+        for step in sorted(steps, key=int)
+    }
     return mean
 
 
@@ -295,24 +317,44 @@ def format_profiles(profiles: Mapping[str, Mapping[str, Any]]) -> str:
     lines.append(row("other thr CPU", lambda p: f"{1e3 * p['other threads cpu']:.1f}"))
     lines.append(row("steps counted", lambda p: str(p["steps"])))
     lines.append(row("cores busy", lambda p: " ".join(f"{u:.0%}" for u in p["core_busy"])))
+    lines.append(row("  of it kernel", lambda p: " ".join(f"{u:.0%}" for u in p["core_kernel"])))
     return "\n".join(lines)
 
 
 # ---- the machine's cores ----------------------------------------------------------------------------------
 
 
-def cpu_times() -> list[tuple[int, int]]:
-    """Per core, from ``/proc/stat``: (busy ticks, all ticks) since boot; busy is all but idle and iowait."""
+def cpu_times() -> list[tuple[int, int, int]]:
+    """Per core, from ``/proc/stat``: (busy, kernel, all) ticks since boot; busy is all but idle and iowait, kernel
+    is system, irq and softirq time (the network stack's work, tc's shaping included)."""
     cores = []
     for line in Path("/proc/stat").read_text().splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name != "cpu":
             ticks = [int(f) for f in fields]
             idle = ticks[3] + ticks[4]
-            cores.append((sum(ticks[:8]) - idle, sum(ticks[:8])))  # guest time is counted in user already
+            kernel = ticks[2] + ticks[5] + ticks[6]
+            cores.append((sum(ticks[:8]) - idle, kernel, sum(ticks[:8])))  # guest time is counted in user already
     return cores
 
 
-def core_utilisation(before: Sequence[tuple[int, int]], after: Sequence[tuple[int, int]]) -> list[float]:
-    """The fraction of time each core was busy between two :func:`cpu_times` readings."""
-    return [(b1 - b0) / max(t1 - t0, 1) for (b0, t0), (b1, t1) in zip(before, after, strict=True)]
+def format_by_position(profiles: Mapping[str, Mapping[str, Any]], period: int, names: Mapping[int, str]) -> str:
+    """Wall ms per part of the steps at each position ``step % period`` (a streaming schedule's send and due steps
+    come back every ``period`` steps), mean over those steps and the ranks; ``names`` labels positions."""
+    shown = ("forward", "backward", "optimizer", "collectives", "fragment send", "fragment wait", "fragment apply")
+    lines = [
+        f"{'run':<18} {'step % ' + str(period):<22} {'steps':>5} {'wall':>7} " + " ".join(f"{p:>9.9}" for p in shown)
+    ]
+    for label, profile in profiles.items():
+        for position in range(period):
+            steps = [parts for step, parts in profile["per_step"].items() if step % period == position]
+            if not steps:
+                continue
+            mean = {part: 1e3 * sum(s[part] for s in steps) / len(steps) for part in PARTS}
+            where = f"{position} {names.get(position, '')}"
+            lines.append(
+                f"{label:<18} {where:<22} {len(steps):>5} {sum(mean.values()):7.1f} "
+                + " ".join(f"{mean[p]:9.1f}" for p in shown)
+            )
+    return "\n".join(lines)
+

@@ -15,7 +15,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fedshard.bench import step_profile
-from lightning_fedshard.bench.step_profile import PARTS, StepProfiler, core_utilisation, mean_profile, read_profiles
+from lightning_fedshard.bench.step_profile import (
+    PARTS,
+    StepProfiler,
+    format_profiles,
+    mean_profile,
+    read_profiles,
+)
 
 
 class ScriptedClock:
@@ -98,6 +104,8 @@ def test_parts_are_exclusive_and_add_up_to_the_counted_steps(tmp_path, monkeypat
                                            "fragment wait": 0})  # fmt: skip
     assert sum(record["wall"].values()) == pytest.approx(3 * (1 + 10.5 + 3 + 20 + 1 + 4) + 5 + 7 + 5)  # each once
     assert set(record["wall"]) == set(PARTS)
+    step_walls = {int(step): sum(parts.values()) for step, parts in record["per_step"].items()}
+    assert step_walls == pytest.approx({2: 39.5 + 5, 3: 39.5, 4: 39.5 + 12})  # validation after step 3 in none
 
 
 class Tiny(pl.LightningModule):
@@ -151,10 +159,18 @@ def test_parts_add_up_to_the_wall_time_of_a_real_run(tmp_path):
     assert record["wall"]["forward"] > 0 and record["wall"]["backward"] > 0 and record["wall"]["optimizer"] > 0
     assert all(seconds >= 0 for seconds in [*record["wall"].values(), *record["cpu"].values()])
     assert record["threads"]["main"] > 0 and all(0 <= busy <= 1 for busy in record["core_busy"])
+    assert all(0 <= kernel <= busy for kernel, busy in zip(record["core_kernel"], record["core_busy"], strict=True))
+    assert sorted(map(int, record["per_step"])) == list(range(3, 11))
+    per_step = sum(sum(parts.values()) for parts in record["per_step"].values())
+    assert per_step == pytest.approx(sum(record["wall"].values()))
     profile = mean_profile([record, record])
     assert profile["step"] == pytest.approx(sum(record["wall"].values()) / 8)
+    table = format_profiles({"tiny": profile}).splitlines()
+    step_row = next(line for line in table if line.startswith("step "))
+    assert f"{1e3 * profile['step']:.1f} (" in step_row and table[-2].startswith("cores busy")
 
 
-def test_core_utilisation_is_busy_ticks_over_all_ticks():
-    assert core_utilisation([(10, 100), (0, 100)], [(60, 200), (100, 200)]) == [0.5, 1.0]
-    assert len(step_profile.cpu_times()) >= 1
+def test_cpu_times_read_every_core_of_proc_stat():
+    cores = step_profile.cpu_times()
+    assert len(cores) == sum(line.startswith("cpu") for line in open("/proc/stat")) - 1
+    assert all(0 <= kernel <= busy <= total for busy, kernel, total in cores)
