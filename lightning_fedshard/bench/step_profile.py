@@ -112,9 +112,9 @@ class _Clock:
 class StepProfiler(Callback):
     """Breaks each training step's wall time into :data:`PARTS` and writes the totals of rank ``r`` to
     ``<directory>/rank<r>.json``: ``{"steps", "wall": {part: s}, "cpu": {part: s}, "threads": {name: s},
-    "core_busy"/"core_kernel": [fraction per core of the machine], "per_step": {step: {part: s}}}`` (threads: CPU
-    seconds of each thread of the rank's process; core_kernel: the part of the time spent in the kernel, network
-    stack included).
+    "core_busy"/"core_kernel": [fraction per core], "per_step": {step: {part: s}}, "preempted": {step: n}}``
+    (threads: CPU seconds of each thread of the rank's process; core_kernel: the part of the time spent in the
+    kernel, network stack included; preempted: the main thread's involuntary context switches).
 
     The first ``skip_steps`` steps (start-up: first all-gathers, allocator warm-up) are not counted; neither is
     validation. The wrappers cost two clock reads per collective.
@@ -138,6 +138,9 @@ class StepProfiler(Callback):
         self.per_step: dict[int, dict[str, float]] = {}
         """Wall seconds per part of each counted step, by optimizer step."""
         self._wall_at_last_step: dict[str, float] = {}
+        self.preempted: dict[int, int] = {}
+        """Times the main thread was preempted (switched out while runnable) in each counted step."""
+        self._preempted_at_last_step = 0
 
     # ---- wrapping ----------------------------------------------------------------------------------------
 
@@ -197,6 +200,10 @@ class StepProfiler(Callback):
             last = self._wall_at_last_step
             self.per_step[trainer.global_step] = {p: s - last.get(p, 0.0) for p, s in self.clock.wall.items()}
         self._wall_at_last_step = dict(self.clock.wall)
+        preempted = _main_thread_preemptions()
+        if trainer.global_step > self.skip_steps:
+            self.preempted[trainer.global_step] = preempted - self._preempted_at_last_step
+        self._preempted_at_last_step = preempted
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # validation inside fit, not a trainer.validate()
@@ -234,9 +241,18 @@ class StepProfiler(Callback):
             "core_busy": [busy / max(total, 1) for busy, _, total in ticks],
             "core_kernel": [kernel / max(total, 1) for _, kernel, total in ticks],
             "per_step": self.per_step,
+            "preempted": self.preempted,
         }
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+
+
+def _main_thread_preemptions() -> int:
+    """How often the main thread was switched out while it could have run on (a core taken by another thread)."""
+    for line in Path(f"/proc/self/task/{os.getpid()}/status").read_text().splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise RuntimeError("no nonvoluntary_ctxt_switches in /proc/self/task/<pid>/status")
 
 
 def _thread_cpu_seconds() -> dict[str, float]:
@@ -269,7 +285,8 @@ def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Seconds per step, averaged over the ranks: ``wall``/``cpu`` per part, ``step`` (their sum: the step's wall
     time), the CPU seconds of the main thread and of all other threads (gloo's among them) per step, and each
     core's busy fraction while the steps ran (``core_busy``, of it in the kernel ``core_kernel``: rank 0's reading),
-    and ``per_step``: the parts' wall seconds of each counted optimizer step."""
+    ``per_step``: the parts' wall seconds of each counted optimizer step, and ``preempted``: how often the main
+    thread was preempted in each."""
     per_step = [
         {
             "wall": {part: r["wall"][part] / r["steps"] for part in PARTS},
@@ -290,6 +307,9 @@ def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     mean["core_busy"] = records[0]["core_busy"]  # the machine's cores: the same for every rank
     mean["core_kernel"] = records[0]["core_kernel"]
     steps = set.intersection(*(set(r["per_step"]) for r in records))
+    mean["preempted"] = {
+        int(step): sum(r["preempted"][step] for r in records) / n for step in sorted(steps, key=int)
+    }
     mean["per_step"] = {
         int(step): {part: sum(r["per_step"][step][part] for r in records) / n for part in PARTS}
         for step in sorted(steps, key=int)
@@ -299,7 +319,7 @@ def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def format_profiles(profiles: Mapping[str, Mapping[str, Any]]) -> str:
     """One table of :func:`mean_profile` results by run label: wall ms per step and part (the main thread's CPU
-    ms beside it), the threads' CPU time, and how busy each core was."""
+    ms beside it), the threads' CPU time, the main thread's preemptions per step, and how busy each core was."""
     labels = list(profiles)
     width = max(18, *(len(label) + 1 for label in labels))
     lines = [
@@ -315,6 +335,7 @@ def format_profiles(profiles: Mapping[str, Mapping[str, Any]]) -> str:
     lines.append(row("step", lambda p: f"{1e3 * p['step']:.1f} ({1e3 * sum(p['cpu'].values()):.1f})"))
     lines.append(row("main thr CPU", lambda p: f"{1e3 * p['main thread cpu']:.1f}"))
     lines.append(row("other thr CPU", lambda p: f"{1e3 * p['other threads cpu']:.1f}"))
+    lines.append(row("main preempted", lambda p: f"{sum(p['preempted'].values()) / len(p['preempted']):.1f}"))
     lines.append(row("steps counted", lambda p: str(p["steps"])))
     lines.append(row("cores busy", lambda p: " ".join(f"{u:.0%}" for u in p["core_busy"])))
     lines.append(row("  of it kernel", lambda p: " ".join(f"{u:.0%}" for u in p["core_kernel"])))
@@ -344,6 +365,7 @@ def format_by_position(profiles: Mapping[str, Mapping[str, Any]], period: int, n
     shown = ("forward", "backward", "optimizer", "collectives", "fragment send", "fragment wait", "fragment apply")
     lines = [
         f"{'run':<18} {'step % ' + str(period):<22} {'steps':>5} {'wall':>7} " + " ".join(f"{p:>9.9}" for p in shown)
+        + f" {'preempted':>9}"
     ]
     for label, profile in profiles.items():
         for position in range(period):
@@ -351,10 +373,12 @@ def format_by_position(profiles: Mapping[str, Mapping[str, Any]], period: int, n
             if not steps:
                 continue
             mean = {part: 1e3 * sum(s[part] for s in steps) / len(steps) for part in PARTS}
+            preempted = [n for step, n in profile["preempted"].items() if step % period == position]
             where = f"{position} {names.get(position, '')}"
             lines.append(
                 f"{label:<18} {where:<22} {len(steps):>5} {sum(mean.values()):7.1f} "
                 + " ".join(f"{mean[p]:9.1f}" for p in shown)
+                + f" {sum(preempted) / len(preempted):9.1f}"
             )
     return "\n".join(lines)
 
