@@ -8,7 +8,10 @@ link rates. It reports tokens/s, the strategies' ledger bytes per tier, the byte
 (kernel counters), validation loss, ratios to hsdp, and the cost model's predicted step time next to the
 measured one. The machine's side of the cost model (compute rate, loopback bandwidth, gloo latencies, codec
 speed) is calibrated first on the unshaped cluster by a separate torchrun job; nothing of the training
-runs themselves goes into the prediction. Needs root and iproute2; says why and exits otherwise.
+runs themselves goes into the prediction. With ``--profile`` each run's steps are also broken into compute,
+collectives and a fragment average's send, wait and apply (:mod:`~lightning_fedshard.bench.step_profile`), with
+the main thread's CPU time, gloo's threads' and how busy each core was. Needs root and iproute2; says why and exits
+otherwise.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from lightning_fedshard.bench.costmodel import (
 )
 from lightning_fedshard.bench.netns import ClusterUnavailable, NamespaceCluster, check_available
 from lightning_fedshard.bench.recipes import TINY, fit_arguments, metrics_path, read_metrics, summarize
+from lightning_fedshard.bench.step_profile import format_by_position, format_profiles, mean_profile, read_profiles
 from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.strategies import FedShardDims, partition_fragments
 from lightning_fedshard.strategies.apply import fsdp_units
 from lightning_fedshard.strategies.ledger import TIERS
+from lightning_fedshard.strategies.streaming import FragmentSchedule
 
 __all__ = ["NODES", "RANKS_PER_NODE", "LinkBytesMonitor", "Run", "machine_cluster", "main", "recipe_workload"]
 
@@ -78,6 +83,8 @@ class Run:
     predicted_step_s: float
     predicted_egress_bytes: float
     predicted_ledger_bytes: dict[str, float]
+    profile: dict[str, Any] | None = None
+    """With ``--profile``: :func:`~lightning_fedshard.bench.step_profile.mean_profile` of the run's ranks."""
 
 
 # ---- the cost model's view of a recipe and of this machine ------------------------------------------------
@@ -338,6 +345,13 @@ def run_one(
         "init_args": {"directory": str(link_dir)},
     }
     overrides.append(f"--trainer.callbacks+={json.dumps(monitor)}")
+    profile_dir = args.out / label / "profile"
+    if args.profile:
+        profiler = {
+            "class_path": "lightning_fedshard.bench.step_profile.StepProfiler",
+            "init_args": {"directory": str(profile_dir)},
+        }
+        overrides.append(f"--trainer.callbacks+={json.dumps(profiler)}")
     fit = ["-m", "lightning_fedshard.cli", *fit_arguments(config, args.out, overrides, label)]
     _torchrun(cluster, [fit] * NODES, args.out / f"{label}.log", port)
     link = json.loads((link_dir / "node0.json").read_text())
@@ -357,6 +371,7 @@ def run_one(
         predicted_step_s=predicted.total,
         predicted_egress_bytes=node_egress_bytes(workload, machine),
         predicted_ledger_bytes=mean_step_bytes(workload),
+        profile=mean_profile(read_profiles(profile_dir)) if args.profile else None,
     )
 
 
@@ -408,7 +423,34 @@ def format_table(runs: list[Run]) -> str:
             )
     worst = max(abs(r.predicted_step_s / r.measured_step_s - 1) for r in runs)
     lines += ["", f"largest step-time error of the cost model: {worst:.1%}"]
+    for rate in sorted({r.rate_mbit for r in runs if r.profile}):
+        profiles = {r.name: r.profile for r in runs if r.rate_mbit == rate and r.profile}
+        lines += ["", f"step profile at {rate:g} Mbit/s", format_profiles(profiles)]
+    schedule = _streaming_schedule()
+    names = {}
+    for step in range(1, schedule.interval + 1):
+        if schedule.starting(step) is not None:
+            names[step % schedule.interval] = "(sends after it)"
+        if schedule.finishing(step) is not None:
+            names[step % schedule.interval] = "(applies after it)"
+    for rate in sorted({r.rate_mbit for r in runs if r.profile}):
+        profiles = {r.name: r.profile for r in runs if r.rate_mbit == rate and r.profile and "streaming" in r.name}
+        if profiles:
+            lines += [
+                "",
+                f"streaming steps by their place in the fragment schedule at {rate:g} Mbit/s (wall ms, mean of ranks)",
+                format_by_position(profiles, schedule.interval, names),
+            ]
     return "\n".join(lines)
+
+
+def _streaming_schedule() -> FragmentSchedule:
+    """The schedule of the "+streaming" runs: :data:`STREAMING` on the FL recipes' sync interval."""
+    sync_every = yaml.safe_load((TINY / "fl_fsdp.yaml").read_text())["trainer"]["strategy"]["init_args"]["sync_every"]
+    return FragmentSchedule.create(
+        sync_every=sync_every, fragments=STREAMING["fragments"], delay=STREAMING["fragment_sync_delay"],
+        alpha=STREAMING["fragment_update_alpha"], owner="multitier.STREAMING",
+    )  # fmt: skip
 
 
 def plot(runs: list[Run], out_dir: Path) -> list[Path]:
@@ -466,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
         "--steps", type=int, default=32, help="optimizer steps per run (validated half-way and at the end)"
     )
     parser.add_argument("--val-batches", type=int, default=4)
+    parser.add_argument(
+        "--profile", action="store_true", help="break each run's steps into compute, collectives, sends and waits"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-multitier"))
     parser.add_argument("--from-results", type=Path, help="print the table and redraw the plots of a results.json")
     parser.add_argument("--calibrate-worker", type=Path, help=argparse.SUPPRESS)

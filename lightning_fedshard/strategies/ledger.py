@@ -20,9 +20,16 @@ __all__ = ["TIERS", "CommLedger", "install_fsdp_counters", "ring_bytes"]
 #: Tiers, innermost first: FSDP all-gather/reduce-scatter, HSDP gradient all-reduce, FedAvg across groups.
 TIERS = ("shard", "replicate", "fed")
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names. Looked up at each call, so
+# that a wrapper of torch.distributed's functions (bench/step_profile.py) sees FSDP's collectives too.
+def _all_gather_single(*args, **kwargs):
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 _RING_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1}
 
