@@ -73,7 +73,12 @@ def test_alpha_and_beta_crown_do_not_import_dynamo() -> None:
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr

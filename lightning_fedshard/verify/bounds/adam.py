@@ -28,7 +28,10 @@ class Adam:
     """
 
     def __init__(
-        self, groups: Sequence[tuple[Sequence[Tensor], float]], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+        self,
+        groups: Sequence[tuple[Sequence[Tensor], float]],
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
     ) -> None:
         for params, lr in groups:
             if not lr >= 0:
