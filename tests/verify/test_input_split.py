@@ -67,8 +67,8 @@ def test_every_sub_box_bound_holds_on_points_sampled_in_it(monkeypatch):
     checked = []
     bound = split_module._bound
 
-    def checked_bound(graph, spec, boxes):
-        out, bounds = bound(graph, spec, boxes)
+    def checked_bound(graph, spec, boxes, deadline):
+        out, bounds = bound(graph, spec, boxes, deadline)
         n = boxes.lower.shape[0]
         points = boxes.lower + (boxes.upper - boxes.lower) * torch.rand(64, *boxes.lower.shape, generator=gen)
         y = graph(points.reshape(64 * n, -1)).reshape(64, n, -1)

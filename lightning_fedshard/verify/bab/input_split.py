@@ -50,7 +50,7 @@ from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
 from lightning_fedshard.verify.ops import Interval
-from lightning_fedshard.verify.shard.lockstep import past
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, past
 
 __all__ = ["input_split"]
 
@@ -114,11 +114,13 @@ class _BoxStack:
         return taken
 
 
-def _bound(graph: BoundGraph, spec: OutputSpec, boxes: Interval) -> tuple[Backward, dict[str, Interval]]:
+def _bound(
+    graph: BoundGraph, spec: OutputSpec, boxes: Interval, deadline: float
+) -> tuple[Backward, dict[str, Interval]]:
     """CROWN over the spec rows (its last pass in float64: :func:`output_pass`), and the intermediate bounds it
-    used."""
-    bounds = intermediate_bounds(graph, boxes, forward=True)
-    return output_pass(graph, spec, boxes, bounds), bounds
+    used; both passes stop at the ``deadline`` (one batch of a large net takes seconds)."""
+    bounds = intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
+    return output_pass(graph, spec, boxes, bounds, deadline), bounds
 
 
 def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
@@ -151,9 +153,12 @@ def _sb_scores(A: Tensor, margins: Tensor, boxes: _Boxes) -> Tensor:
     return gain.amax(0)
 
 
-def _trial_scores(graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable: Tensor, sb: Tensor) -> Tensor:
+def _trial_scores(
+    graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable: Tensor, sb: Tensor, deadline: float
+) -> Tensor:
     """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better); of
-    more than ``_TRIAL_DIMS`` dimensions only those the *sb* scores ``sb`` rank first over the batch are tried."""
+    more than ``_TRIAL_DIMS`` dimensions only those the *sb* scores ``sb`` rank first over the batch are tried. The
+    trial passes stop at the ``deadline``."""
     n, d = boxes.lower.shape
     dims = splittable.any(0).nonzero().flatten()
     if dims.numel() > _TRIAL_DIMS:
@@ -162,8 +167,8 @@ def _trial_scores(graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable
     every = torch.arange(n, device=dims.device).repeat(len(dims))
     halves = _split(boxes.take(every), dims.repeat_interleave(n).unsqueeze(1))
     interval = halves.interval(graph.input.shape)
-    bounds = forward_bounds(graph, interval)
-    lower = backward_bound(graph, graph.output.name, spec.rows(len(halves)), interval, bounds).lower
+    bounds = forward_bounds(graph, interval, deadline=deadline)
+    lower = backward_bound(graph, graph.output.name, spec.rows(len(halves)), interval, bounds, deadline=deadline).lower
     value = spec.value(lower.T - spec.rhs).clamp(max=0).double().view(2, len(dims), n).sum(0)
     scores = torch.full((n, d), -torch.inf, dtype=torch.float64, device=value.device)
     scores[:, dims] = value.T
@@ -211,7 +216,8 @@ def input_split(
     generator: torch.Generator | None = None,
 ) -> BabOutcome:
     """Decide ``spec`` (one disjunct: all its rows must be ``≤ 0`` for a counterexample) over ``box [1, *input]``
-    by splitting the box (see the module docs)."""
+    by splitting the box (see the module docs). Every pass of the search stops at the ``deadline``: the answer
+    is then ``timeout``."""
     shape = graph.input.shape
     root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
@@ -222,48 +228,58 @@ def input_split(
     def outcome(verdict: Verdict, cex: Tensor | None = None) -> BabOutcome:
         return BabOutcome(verdict, cex, bounded, max_depth, min(len(s) for s in searches))
 
-    for turn in range(1 << 62):
-        search = searches[turn % len(searches)]
-        if not len(search):
-            return outcome(Verdict.UNKNOWN if search.stuck else Verdict.UNSAT)
-        if past(deadline):
-            return outcome(Verdict.TIMEOUT)
-        if len(search) > config.max_input_domains:
-            return outcome(Verdict.UNKNOWN)
-        by_phases = len(search.phases) >= _PIECES_BATCH or not len(search.stack)
-        boxes = (search.phases if by_phases else search.stack).pop(_PIECES_BATCH if by_phases else batch)
-        interval = boxes.interval(shape)
-        with torch.no_grad():
-            out, bounds = _bound(graph, spec, interval)
-            margins = spec_margins(spec, out.lower)  # [N, S]
-            corners = out.minimiser(interval).flatten(0, 1)
-            cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
-        bounded += len(boxes)
-        max_depth = max(max_depth, int(boxes.depth.max()))
-        search.rounds += 1
-        if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
-            worst = spec.value(margins).argsort()[:_ATTACK_BOXES]
-            cex = pgd_attack(graph, spec, boxes.take(worst).interval(shape), 1, _ATTACK_STEPS, generator=generator)
-        if cex is not None:
-            return outcome(Verdict.SAT, cex.reshape(shape))
-        with torch.no_grad():
-            open_ = ~(spec.value(margins) > 0)  # NaN is open, never proven
-            if by_phases:
-                cex = _try_phases(graph, spec, boxes, out, bounds, open_)
-            else:
-                few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE) & pieces_apply(graph)
-                search.phases.push(boxes.take(few))
-                open_ &= ~few
+    try:
+        for turn in range(1 << 62):
+            search = searches[turn % len(searches)]
+            if not len(search):
+                return outcome(Verdict.UNKNOWN if search.stuck else Verdict.UNSAT)
+            if past(deadline):
+                return outcome(Verdict.TIMEOUT)
+            if len(search) > config.max_input_domains:
+                return outcome(Verdict.UNKNOWN)
+            by_phases = len(search.phases) >= _PIECES_BATCH or not len(search.stack)
+            boxes = (search.phases if by_phases else search.stack).pop(_PIECES_BATCH if by_phases else batch)
+            interval = boxes.interval(shape)
+            with torch.no_grad():
+                out, bounds = _bound(graph, spec, interval, deadline)
+                margins = spec_margins(spec, out.lower)  # [N, S]
+                corners = out.minimiser(interval).flatten(0, 1)
+                cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
+            bounded += len(boxes)
+            max_depth = max(max_depth, int(boxes.depth.max()))
+            search.rounds += 1
+            if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
+                worst = spec.value(margins).argsort()[:_ATTACK_BOXES]
+                worst_boxes = boxes.take(worst).interval(shape)
+                cex = pgd_attack(graph, spec, worst_boxes, 1, _ATTACK_STEPS, generator=generator, deadline=deadline)
             if cex is not None:
                 return outcome(Verdict.SAT, cex.reshape(shape))
-            children = _branch(graph, spec, boxes, out, margins, open_, min_width, search, batch)
-        if children is not None:
-            search.stack.push(children)
+            with torch.no_grad():
+                open_ = ~(spec.value(margins) > 0)  # NaN is open, never proven
+                if by_phases:
+                    cex = _try_phases(graph, spec, boxes, out, bounds, open_, deadline)
+                else:
+                    few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE) & pieces_apply(graph)
+                    search.phases.push(boxes.take(few))
+                    open_ &= ~few
+                if cex is not None:
+                    return outcome(Verdict.SAT, cex.reshape(shape))
+                children = _branch(graph, spec, boxes, out, margins, open_, min_width, search, batch, deadline)
+            if children is not None:
+                search.stack.push(children)
+    except DeadlineExceeded:  # inside a pass: the search's answer is the same as at a check between batches
+        return outcome(Verdict.TIMEOUT)
     raise AssertionError("unreachable")
 
 
 def _try_phases(
-    graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, out: Backward, bounds: dict[str, Interval], open_: Tensor
+    graph: BoundGraph,
+    spec: OutputSpec,
+    boxes: _Boxes,
+    out: Backward,
+    bounds: dict[str, Interval],
+    open_: Tensor,
+    deadline: float,
 ) -> Tensor | None:
     """The open boxes with few unstable ReLUs tried piece by piece; the proven ones are marked closed in ``open_``
     (the others go on to be split). Returns a counterexample if a piece's minimising corner is one."""
@@ -273,7 +289,7 @@ def _try_phases(
     index = few.nonzero().flatten()
     chosen = {name: Interval(b.lower[index], b.upper[index]) for name, b in bounds.items()}
     proven, cex = prove_by_pieces(
-        graph, spec, boxes.take(index).interval(graph.input.shape), chosen, out.lower[:, index]
+        graph, spec, boxes.take(index).interval(graph.input.shape), chosen, out.lower[:, index], deadline
     )
     open_[index[proven]] = False
     return cex
@@ -289,6 +305,7 @@ def _branch(
     min_width: Tensor,
     search: _Search,
     batch: int,
+    deadline: float,
 ) -> _Boxes | None:
     """The children of the ``open_`` boxes: clipped, then split by the search's rule (``None``: none left)."""
     open_ = open_.nonzero().flatten()
@@ -306,7 +323,7 @@ def _branch(
         return None
     scores = _sb_scores(A, margins, boxes)
     if search.branching is InputBranching.TRIAL:
-        scores = _trial_scores(graph, spec, boxes, wide, scores)
+        scores = _trial_scores(graph, spec, boxes, wide, scores, deadline)
     scores = torch.where(wide, scores, -torch.inf)
     # Split along as many dimensions as keep the next batch within its size (at least one).
     k = max(1, min(int(math.log2(max(batch // len(boxes), 1))), int(wide.sum(1).min())))

@@ -250,7 +250,7 @@ def _round(
     if cex is None and config.attack_every and (rounds + 1) % config.attack_every == 0:
         worst = children.margins.T.flatten().argsort()[:8]
         starts = corners.flatten(0, 1)[worst]
-        cex = pgd_attack(graph, spec, box, restarts=8, steps=20, starts=starts, generator=generator)
+        cex = pgd_attack(graph, spec, box, restarts=8, steps=20, starts=starts, generator=generator, deadline=deadline)
     if cex is not None:
         return cex, n, depth, False
     open_ = (~(spec.value(children.margins) > 0)).nonzero().flatten()  # NaN is open, never proven

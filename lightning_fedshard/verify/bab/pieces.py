@@ -66,10 +66,16 @@ def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -
 
 
 def prove_by_pieces(
-    graph: BoundGraph, spec: OutputSpec, boxes: Interval, bounds: dict[str, Interval], lower: Tensor
+    graph: BoundGraph,
+    spec: OutputSpec,
+    boxes: Interval,
+    bounds: dict[str, Interval],
+    lower: Tensor,
+    deadline: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Which of the ``boxes [N, *input shape]`` (with pre-activation ``bounds`` and spec row bounds ``lower [S, N]``)
-    every piece proves, and a counterexample if a piece's minimising corner is one.
+    every piece proves, and a counterexample if a piece's minimising corner is one. The β-CROWN rounds stop at the
+    ``deadline`` (see :func:`~lightning_fedshard.verify.bounds.beta.beta_crown`).
 
     Example::
 
@@ -83,7 +89,9 @@ def prove_by_pieces(
     for _ in range(_ROUNDS):
         pieces = Interval(boxes.lower[owner], boxes.upper[owner])
         stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
-        result = beta_crown(graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop)
+        result = beta_crown(
+            graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop, deadline=deadline
+        )
         margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
         domains.margins = confirm(graph, spec, pieces, domains.bounds(), margins, domains.alphas, domains.beta_terms())
         open_ = (~(spec.value(domains.margins) > 0)).nonzero().flatten()  # NaN is open

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.bounds.adam import Adam
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval
@@ -128,8 +129,7 @@ def alpha_crown(
     if not parameters:
         return AlphaResult(best_lower, best_bounds, _whole(best_alphas, C.shape[0], partition), 0)
 
-    optimizer = torch.optim.Adam(parameters, lr=lr)
-    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, lr_decay)
+    optimizer = Adam([(parameters, lr)])
     done = 0
     for done in range(1, iterations + 1):
         if past(deadline):
@@ -161,7 +161,7 @@ def alpha_crown(
             lower = spec_lower(graph, C, box, bounds, alphas[output], partition)
             # The same slopes over the tightest intermediate bounds known: the bound branch-and-bound starts from.
             lower_best = spec_lower(graph, C, box, best_bounds, alphas[output], partition)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             # Sharded, each rank's objective is its own rows: the ranks' objectives sum to the whole, and the row
             # exchanges sum their gradients (replicated steps in between see only their rank's objective).
             mine = slice(None) if partition is None else partition.span(C.shape[0])
@@ -173,7 +173,7 @@ def alpha_crown(
                 best_alphas[name] = torch.where(mask, alpha.detach(), best_alphas[name])
             best_lower = torch.fmax(best_lower, torch.fmax(lower.detach(), lower_best.detach()))  # NaN never wins
             optimizer.step()
-            schedule.step()
+            optimizer.scale_lr(lr_decay)
             for alpha in parameters:
                 alpha.clamp_(0, 1)
     return AlphaResult(best_lower, best_bounds, _whole(best_alphas, C.shape[0], partition), done)

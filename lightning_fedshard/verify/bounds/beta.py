@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.bab.domains import DomainBatch
+from lightning_fedshard.verify.bounds.adam import Adam
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval
@@ -63,9 +64,7 @@ def beta_crown(
         alphas = {k: v.clone().requires_grad_() for k, v in domains.alphas.items()}
         betas = {k: v.clone().requires_grad_() for k, v in domains.betas.items()}
         trial = DomainBatch(**{**vars(domains), "alphas": alphas, "betas": betas})
-        optimizer = torch.optim.Adam(
-            [{"params": list(alphas.values()), "lr": lr_alpha}, {"params": list(betas.values()), "lr": lr_beta}]
-        )
+        optimizer = Adam([(list(alphas.values()), lr_alpha), (list(betas.values()), lr_beta)])
         for _ in range(iterations):
             if agree(stop_above is not None and bool((best > stop_above).all())):
                 break
@@ -73,7 +72,7 @@ def beta_crown(
                 break
             with torch.enable_grad():
                 lower = _bound(graph, box, C, trial, (), deadline).lower
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()
                 (-lower.sum()).backward()
             with torch.no_grad():
                 improved = lower.detach() > best

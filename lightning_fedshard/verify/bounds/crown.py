@@ -108,6 +108,7 @@ def backward_bound(
             continue
         if isinstance(A, Patches) and not node.op.accepts_patches:
             A = A.to_dense()
+            check_deadline_between_steps(deadline)  # densifying a large batch's rows is a step of its own
         needs_bounds = node.op.needs_input_bounds
         inputs = [interval(name) for name in node.inputs] if needs_bounds else [None] * len(node.inputs)
         alpha = alphas.get(node.name) if alphas is not None else None

@@ -74,9 +74,11 @@ def _double_pass(
     alphas: Mapping[str, Tensor] | None = None,
     betas: Mapping[str, tuple[Tensor, Tensor | None]] | None = None,
     index: Tensor | None = None,
+    deadline: float | None = None,
 ) -> Backward:
     """The backward pass over the property's float64 rows on the float64 graph, for the batch elements ``index``
-    (all where ``None``) of ``box``/``bounds`` (batch ``N`` or 1), ``alphas [S, N, …]`` and β terms."""
+    (all where ``None``) of ``box``/``bounds`` (batch ``N`` or 1), ``alphas [S, N, …]`` and β terms; it stops at
+    the ``deadline`` between operator steps (:func:`backward_bound`)."""
     n = max(box.lower.shape[0], *(b.lower.shape[0] for b in bounds.values()))
 
     def take(t: Tensor, dim: int = 0) -> Tensor:
@@ -94,6 +96,7 @@ def _double_pass(
         None
         if betas is None
         else {name: (take(s, 1), None if p is None else take(p)) for name, (s, p) in betas.items()},
+        deadline=deadline,
     )
 
 
@@ -121,15 +124,21 @@ def confirm(
     return _replace_claims(margins, claimed, index, lower.T - spec.exact[1])
 
 
-def output_pass(graph: BoundGraph, spec: OutputSpec, box: Interval, bounds: Mapping[str, Interval]) -> Backward:
+def output_pass(
+    graph: BoundGraph,
+    spec: OutputSpec,
+    box: Interval,
+    bounds: Mapping[str, Interval],
+    deadline: float | None = None,
+) -> Backward:
     """CROWN's pass over the spec rows of every box ``[B, …]`` run in float64 (in float32 where the graph is
     sharded), its lower bounds rounded down to the graph's dtype and its input coefficients float64. Input
     splitting takes its proofs (:func:`margins`) and its clipping planes from it, so a float32 plane can neither
     prove a box nor cut a counterexample away."""
     double = float64_graph(graph)
     if double is None:
-        return backward_bound(graph, graph.output.name, spec.rows(box.lower.shape[0]), box, bounds)
-    out = _double_pass(double, spec, box, bounds)
+        return backward_bound(graph, graph.output.name, spec.rows(box.lower.shape[0]), box, bounds, deadline=deadline)
+    out = _double_pass(double, spec, box, bounds, deadline=deadline)
     out.lower = round_down(out.lower, graph.dtype)
     return out
 
