@@ -17,6 +17,7 @@ BENCHMARKS = {
     "faults": "lightning_fedshard.bench.faults",
     "ft-memory": "lightning_fedshard.bench.ft_memory",
     "deadlines": "lightning_fedshard.bench.deadlines",
+    "convpass": "lightning_fedshard.bench.convpass",
 }
 
 
