@@ -297,9 +297,7 @@ def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for r in records
     ]
     n = len(per_step)
-    mean = {
-        kind: {part: sum(p[kind][part] for p in per_step) / n for part in PARTS} for kind in ("wall", "cpu")
-    }
+    mean = {kind: {part: sum(p[kind][part] for p in per_step) / n for part in PARTS} for kind in ("wall", "cpu")}
     for key in ("main thread cpu", "other threads cpu"):
         mean[key] = sum(p[key] for p in per_step) / n
     mean["step"] = sum(mean["wall"].values())
@@ -307,9 +305,7 @@ def mean_profile(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     mean["core_busy"] = records[0]["core_busy"]  # the machine's cores: the same for every rank
     mean["core_kernel"] = records[0]["core_kernel"]
     steps = set.intersection(*(set(r["per_step"]) for r in records))
-    mean["preempted"] = {
-        int(step): sum(r["preempted"][step] for r in records) / n for step in sorted(steps, key=int)
-    }
+    mean["preempted"] = {int(step): sum(r["preempted"][step] for r in records) / n for step in sorted(steps, key=int)}
     mean["per_step"] = {
         int(step): {part: sum(r["per_step"][step][part] for r in records) / n for part in PARTS}
         for step in sorted(steps, key=int)
@@ -364,7 +360,8 @@ def format_by_position(profiles: Mapping[str, Mapping[str, Any]], period: int, n
     come back every ``period`` steps), mean over those steps and the ranks; ``names`` labels positions."""
     shown = ("forward", "backward", "optimizer", "collectives", "fragment send", "fragment wait", "fragment apply")
     lines = [
-        f"{'run':<18} {'step % ' + str(period):<22} {'steps':>5} {'wall':>7} " + " ".join(f"{p:>9.9}" for p in shown)
+        f"{'run':<18} {'step % ' + str(period):<22} {'steps':>5} {'wall':>7} "
+        + " ".join(f"{p:>9.9}" for p in shown)
         + f" {'preempted':>9}"
     ]
     for label, profile in profiles.items():
@@ -381,4 +378,3 @@ def format_by_position(profiles: Mapping[str, Mapping[str, Any]], period: int, n
                 + f" {sum(preempted) / len(preempted):9.1f}"
             )
     return "\n".join(lines)
-

@@ -173,5 +173,6 @@ def test_parts_add_up_to_the_wall_time_of_a_real_run(tmp_path):
 
 def test_cpu_times_read_every_core_of_proc_stat():
     cores = step_profile.cpu_times()
-    assert len(cores) == sum(line.startswith("cpu") for line in open("/proc/stat")) - 1
+    with open("/proc/stat") as stat:
+        assert len(cores) == sum(line.startswith("cpu") for line in stat) - 1
     assert all(0 <= kernel <= busy <= total for busy, kernel, total in cores)

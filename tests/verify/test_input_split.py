@@ -159,7 +159,9 @@ def test_auto_splits_the_input_of_small_boxes_with_many_unstable_relus_or_smooth
 
     config = VerifyConfig()
     relu_net = _random_net(0, 5)
-    sigmoid_net = BoundGraph([*relu_net.nodes[:2], Node("squash", Sigmoid(), (relu_net.nodes[1].name,), relu_net.nodes[1].shape)])
+    sigmoid_net = BoundGraph(
+        [*relu_net.nodes[:2], Node("squash", Sigmoid(), (relu_net.nodes[1].name,), relu_net.nodes[1].shape)]
+    )
     five = Interval(torch.zeros(1, 5), torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]]))  # 4 free dimensions
     assert _bab_mode(config, relu_net, five, unstable=150) is BabMode.INPUT
     assert _bab_mode(config, relu_net, five, unstable=3) is BabMode.NEURON  # fewer ReLU splits than input dimensions
