@@ -129,7 +129,6 @@ class StepProfiler(Callback):
         self.directory = Path(directory)
         self.skip_steps = skip_steps
         self.clock = _Clock()
-        self.steps = 0
         self._restore: list[Callable[[], None]] = []
         self._threads_at_start: dict[str, float] = {}
         self._core_ticks: list[tuple[int, ...]] | None = None
@@ -196,7 +195,6 @@ class StepProfiler(Callback):
             self._core_mark = cpu_times()
             self._core_ticks = [(0, 0, 0)] * len(self._core_mark)
         elif trainer.global_step > self.skip_steps:
-            self.steps += 1
             last = self._wall_at_last_step
             self.per_step[trainer.global_step] = {p: s - last.get(p, 0.0) for p, s in self.clock.wall.items()}
         self._wall_at_last_step = dict(self.clock.wall)
@@ -234,7 +232,7 @@ class StepProfiler(Callback):
         threads = {name: now[name] - self._threads_at_start.get(name, 0.0) for name in now}
         ticks = self._core_ticks or []
         record = {
-            "steps": self.steps,
+            "steps": len(self.per_step),
             "wall": self.clock.wall,
             "cpu": self.clock.cpu,
             "threads": threads,
