@@ -73,8 +73,8 @@ def test_every_sub_box_bound_holds_on_points_sampled_in_it(monkeypatch):
     checked = []
     bound = split_module._bound
 
-    def checked_bound(graph, spec, boxes, deadline):
-        out, bounds = bound(graph, spec, boxes, deadline)
+    def checked_bound(graph, spec, boxes, deadline, known=None):
+        out, bounds = bound(graph, spec, boxes, deadline, known)
         n = boxes.lower.shape[0]
         points = boxes.lower + (boxes.upper - boxes.lower) * torch.rand(64, *boxes.lower.shape, generator=gen)
         y = graph(points.reshape(64 * n, -1)).reshape(64, n, -1)
@@ -229,11 +229,11 @@ def test_a_round_of_the_search_takes_at_most_an_eighth_of_the_time_left(monkeypa
     rounds = []
     bound = split_module._bound
 
-    def slow_bound(graph, spec, boxes, deadline):
+    def slow_bound(graph, spec, boxes, deadline, known=None):
         n = boxes.lower.shape[0]
         rounds.append((n, deadline - time.monotonic()))
         time.sleep(per_box * n)
-        return bound(graph, spec, boxes, deadline)
+        return bound(graph, spec, boxes, deadline, known)
 
     monkeypatch.setattr(split_module, "_bound", slow_bound)
     verify(graph, prop, VerifyConfig(timeout=4, bab=BabMode.INPUT, attack_restarts=0))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ from lightning_fedshard.verify.objective import OutputSpec, free_coordinates
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, past
 
-__all__ = ["input_split"]
+__all__ = ["RootBounds", "input_split"]
 
 #: sb: the coefficient floor (a dimension the bound ignores still gets split for its width).
 _SB_COEFFICIENT_FLOOR = 1e-3
@@ -72,6 +73,21 @@ _ATTACK_BOXES, _ATTACK_STEPS = 16, 20
 _PIECES_BATCH = 256
 #: A round of the search takes at most this share of the time left (by the pace of its last round).
 _ROUND_SHARE = 1 / 8
+
+
+@dataclass(frozen=True)
+class RootBounds:
+    """The root box's intermediate bounds from the verifier's own CROWN pass, and the seconds that pass took: the
+    first round of every search uses them instead of bounding the root again (on a conv net that takes as long
+    as a round of children), and sizes the next round by them.
+
+    Example::
+
+        input_split(graph, spec, box, config, deadline, known_root=RootBounds(bounds, seconds=crown_seconds))
+    """
+
+    bounds: Mapping[str, Interval]
+    seconds: float
 
 
 @dataclass
@@ -120,11 +136,16 @@ class _BoxStack:
 
 
 def _bound(
-    graph: BoundGraph, spec: OutputSpec, boxes: Interval, deadline: float
+    graph: BoundGraph,
+    spec: OutputSpec,
+    boxes: Interval,
+    deadline: float,
+    known: Mapping[str, Interval] | None = None,
 ) -> tuple[Backward, dict[str, Interval]]:
     """CROWN over the spec rows (its last pass in float64: :func:`output_pass`), and the intermediate bounds it
-    used; both passes stop at the ``deadline`` (one batch of a large net takes seconds)."""
-    bounds = intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
+    used (``known`` ones where given: the root box's from the verifier's own CROWN pass); both passes stop at the
+    ``deadline`` (one batch of a large net takes seconds)."""
+    bounds = dict(known) if known is not None else intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
     return output_pass(graph, spec, boxes, bounds, deadline), bounds
 
 
@@ -234,6 +255,11 @@ class _Search:
         return max(1, min(batch, int(affordable)))
 
 
+def _pace(from_root: RootBounds | None, started: float) -> float:
+    """Seconds of a round so far, or of the root pass its known bounds stand in for."""
+    return from_root.seconds if from_root is not None else time.monotonic() - started
+
+
 def input_split(
     graph: BoundGraph,
     spec: OutputSpec,
@@ -241,10 +267,11 @@ def input_split(
     config: VerifyConfig,
     deadline: float,
     generator: torch.Generator | None = None,
+    known_root: RootBounds | None = None,
 ) -> BabOutcome:
     """Decide ``spec`` (one disjunct: all its rows must be ``≤ 0`` for a counterexample) over ``box [1, *input]``
-    by splitting the box (see the module docs). Every pass of the search stops at the ``deadline``: the answer
-    is then ``timeout``."""
+    by splitting the box (see the module docs), starting from the root box's ``known_root`` bounds where given. Every
+    pass of the search stops at the ``deadline``: the answer is then ``timeout``."""
     shape = graph.input.shape
     root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
@@ -253,6 +280,7 @@ def input_split(
     boxes_per_pass = max(1, int(config.input_pass_memory * 2**30) // forward_bytes_per_box(graph, free_dims))
     batch = min(config.input_batch_size, boxes_per_pass)
     bounded, max_depth = 0, 0
+    root_round = None  # every search starts from the root box: it is bounded once
 
     def outcome(verdict: Verdict, cex: Tensor | None = None) -> BabOutcome:
         return BabOutcome(verdict, cex, bounded, max_depth, min(len(s) for s in searches))
@@ -272,13 +300,19 @@ def input_split(
             else:
                 boxes = search.stack.pop(search.affordable(batch, deadline))
             started, interval = time.monotonic(), boxes.interval(shape)
+            from_root = known_root if not search.rounds else None
             with torch.no_grad():
-                out, bounds = _bound(graph, spec, interval, deadline)
+                if search.rounds or root_round is None:
+                    known = from_root.bounds if from_root is not None else None
+                    out, bounds = _bound(graph, spec, interval, deadline, known)
+                    bounded += len(boxes)
+                else:
+                    out, bounds = root_round
+                root_round = root_round or (out, bounds)
                 margins = spec_margins(spec, out.lower)  # [N, S]
                 corners = out.minimiser(interval).flatten(0, 1)
                 cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
-            search.observe(time.monotonic() - started, len(boxes))
-            bounded += len(boxes)
+            search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
             search.rounds += 1
             if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
@@ -301,7 +335,7 @@ def input_split(
                 children = _branch(
                     graph, spec, boxes, out, margins, open_, min_width, search, next_batch, boxes_per_pass, deadline
                 )
-            search.observe(time.monotonic() - started, len(boxes))
+            search.observe(_pace(from_root, started), len(boxes))
             if children is not None:
                 search.stack.push(children)
     except DeadlineExceeded:  # inside a pass: the search's answer is the same as at a check between batches
