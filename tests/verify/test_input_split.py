@@ -240,3 +240,24 @@ def test_a_round_of_the_search_takes_at_most_an_eighth_of_the_time_left(monkeypa
     assert len(rounds) > 4
     for n, left in rounds:
         assert n == 1 or n * per_box <= left / 8, (n, left)
+
+
+def test_the_root_box_is_bounded_once_from_the_verifiers_own_root_pass(monkeypatch):
+    """Both searches (two branching rules) start at the root box: it is bounded once, from the intermediate bounds
+    of the verifier's CROWN pass at the root (before: twice, each with its own intermediate passes)."""
+    graph = _random_net(5, 3)
+    prop, _ = _property(graph, 3, safe=True, margin=0.01)
+    calls = []
+    bound = split_module._bound
+
+    def recording_bound(graph, spec, boxes, deadline, known=None):
+        calls.append((boxes.lower.clone(), boxes.upper.clone(), known is not None))
+        return bound(graph, spec, boxes, deadline, known)
+
+    monkeypatch.setattr(split_module, "_bound", recording_bound)
+    rules = (InputBranching.SB, InputBranching.TRIAL)
+    result = verify(graph, prop, VerifyConfig(timeout=60, bab=BabMode.INPUT, input_branching=rules, attack_restarts=0))
+    assert result.verdict is Verdict.UNSAT
+    at_root = [c for c in calls if c[0].shape[0] == 1 and bool((c[0] == -1).all() and (c[1] == 1).all())]
+    assert [known for _, _, known in at_root] == [True]
+    assert len(calls) > 2

@@ -73,6 +73,9 @@ _ATTACK_BOXES, _ATTACK_STEPS = 16, 20
 _PIECES_BATCH = 256
 #: A round of the search takes at most this share of the time left (by the pace of its last round).
 _ROUND_SHARE = 1 / 8
+#: The searches' last rounds whose bounds are kept: a search popping the very boxes another has just bounded
+#: (both start at the root; on a conv net, one box per round, the rules often split alike) takes them.
+_SHARED_ROUNDS = 16
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ def input_split(
     boxes_per_pass = max(1, int(config.input_pass_memory * 2**30) // forward_bytes_per_box(graph, free_dims))
     batch = min(config.input_batch_size, boxes_per_pass)
     bounded, max_depth = 0, 0
-    root_round = None  # every search starts from the root box: it is bounded once
+    recent: dict[bytes, tuple[Backward, dict[str, Interval]]] = {}  # the last rounds' bounds, by their boxes
 
     def outcome(verdict: Verdict, cex: Tensor | None = None) -> BabOutcome:
         return BabOutcome(verdict, cex, bounded, max_depth, min(len(s) for s in searches))
@@ -301,18 +304,24 @@ def input_split(
                 boxes = search.stack.pop(search.affordable(batch, deadline))
             started, interval = time.monotonic(), boxes.interval(shape)
             from_root = known_root if not search.rounds else None
+            key = torch.cat([boxes.lower, boxes.upper]).cpu().numpy().tobytes()
+            shared = recent.get(key)
+            paced = shared is None or from_root is not None  # a shared round costs nothing: not this search's pace
             with torch.no_grad():
-                if search.rounds or root_round is None:
+                if shared is None:
                     known = from_root.bounds if from_root is not None else None
                     out, bounds = _bound(graph, spec, interval, deadline, known)
                     bounded += len(boxes)
+                    recent[key] = out, bounds
+                    if len(recent) > _SHARED_ROUNDS:
+                        del recent[next(iter(recent))]
                 else:
-                    out, bounds = root_round
-                root_round = root_round or (out, bounds)
+                    out, bounds = shared
                 margins = spec_margins(spec, out.lower)  # [N, S]
                 corners = out.minimiser(interval).flatten(0, 1)
                 cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
-            search.observe(_pace(from_root, started), len(boxes))
+            if paced:
+                search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
             search.rounds += 1
             if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
@@ -335,7 +344,8 @@ def input_split(
                 children = _branch(
                     graph, spec, boxes, out, margins, open_, min_width, search, next_batch, boxes_per_pass, deadline
                 )
-            search.observe(_pace(from_root, started), len(boxes))
+            if paced:
+                search.observe(_pace(from_root, started), len(boxes))
             if children is not None:
                 search.stack.push(children)
     except DeadlineExceeded:  # inside a pass: the search's answer is the same as at a check between batches
