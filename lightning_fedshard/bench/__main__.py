@@ -18,6 +18,7 @@ BENCHMARKS = {
     "ft-memory": "lightning_fedshard.bench.ft_memory",
     "deadlines": "lightning_fedshard.bench.deadlines",
     "convpass": "lightning_fedshard.bench.convpass",
+    "abcrown": "lightning_fedshard.bench.abcrown",
 }
 
 

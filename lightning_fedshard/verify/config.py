@@ -129,6 +129,10 @@ class VerifyConfig:
     #: every box pays for, small), and beyond how many open boxes to give up (``unknown``).
     input_batch_size: int = 128
     max_input_domains: int = 5_000_000
+    #: Input splitting: GiB of working memory one bounding pass may take; a round bounds at most as many boxes as
+    #: fit (:func:`~lightning_fedshard.verify.bounds.forward.forward_bytes_per_box`), and the branching trial's
+    #: halves (``2 × dimensions tried × boxes``) are bounded in chunks of that many.
+    input_pass_memory: float = 2.0
     #: Input splitting: one search per branching rule, run side by side (see :class:`InputBranching`).
     input_branching: tuple[InputBranching, ...] = (InputBranching.SB, InputBranching.TRIAL)
     #: Every this many batches, PGD from the minimising corners of the worst domains (0 = never).
@@ -164,6 +168,7 @@ class VerifyConfig:
             "refine_budget",
             "refine_layer_share",
             "refine_solve_limit",
+            "input_pass_memory",
         ):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):  # NaN compares false
                 raise ValueError(f"VerifyConfig.{name} must be positive and finite, got {getattr(self, name)}")

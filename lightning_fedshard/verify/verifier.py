@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_fedshard._torch_compat import require_extra
 from lightning_fedshard.verify.attack import pgd_attack
-from lightning_fedshard.verify.bab.input_split import input_split
+from lightning_fedshard.verify.bab.input_split import RootBounds, input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, open_neurons, spec_lower
@@ -276,7 +276,17 @@ def _verify_case(
     answer = _CaseAnswer(Verdict.UNSAT, None, "bab", margins.tolist(), bab_mode, refine=refine_stats)
     for d in open_disjuncts:
         if bab_mode is BabMode.INPUT:
-            outcome = run.timed("bab", input_split, graph, spec.only(d), box, config, run.deadline, generator)
+            outcome = run.timed(
+                "bab",
+                input_split,
+                graph,
+                spec.only(d),
+                box,
+                config,
+                run.deadline,
+                generator,
+                RootBounds(root_bounds, run.times["crown"]),
+            )
         else:
             with plan.domain_search(graph):
                 outcome = run.timed(

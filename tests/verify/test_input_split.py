@@ -3,6 +3,8 @@ soundness of every sub-box bound met during a search; clipping and splitting aga
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,11 @@ import torch
 from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bab import input_split as split_module
 from lightning_fedshard.verify.bab import pieces as pieces_module
+from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
 from lightning_fedshard.verify.config import BabMode, InputBranching
+from lightning_fedshard.verify.memory import PeakMemoryMeter
+from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
 from tests.verify.nets import random_mlp
 
@@ -67,8 +73,8 @@ def test_every_sub_box_bound_holds_on_points_sampled_in_it(monkeypatch):
     checked = []
     bound = split_module._bound
 
-    def checked_bound(graph, spec, boxes, deadline):
-        out, bounds = bound(graph, spec, boxes, deadline)
+    def checked_bound(graph, spec, boxes, deadline, known=None):
+        out, bounds = bound(graph, spec, boxes, deadline, known)
         n = boxes.lower.shape[0]
         points = boxes.lower + (boxes.upper - boxes.lower) * torch.rand(64, *boxes.lower.shape, generator=gen)
         y = graph(points.reshape(64 * n, -1)).reshape(64, n, -1)
@@ -173,3 +179,85 @@ def test_auto_splits_the_input_of_small_boxes_with_many_unstable_relus_or_smooth
     small = _random_net(0, 3)
     prop, _ = _property(small, 3, safe=True)
     assert verify(small, prop, VerifyConfig(timeout=60)).bab_modes == ["input"]
+
+
+def test_a_forward_pass_holds_a_few_nodes_functions_not_the_whole_networks():
+    """Every node's functions are ``2·(d+1)`` values per neuron and box; a deep net's would fill the memory if all
+    were kept. The measured peak of a forward pass stays within ``forward_bytes_per_box`` (the bounds it returns
+    and a few copies of the largest node's functions); keeping every node's functions took 2.8 times that here."""
+    graph = random_mlp(0, (4, *([256] * 12), 2))
+    n = 64
+    gen = torch.Generator().manual_seed(0)
+    centre = torch.rand(n, 4, generator=gen) * 2 - 1
+    boxes = Interval(centre - 0.01, centre + 0.01)
+    meter = PeakMemoryMeter(torch.device("cpu"))
+    with meter, torch.no_grad():
+        bounds = forward_bounds(graph, boxes)
+    assert len(bounds) == len(graph.nodes)
+    assert meter.peak_bytes <= n * forward_bytes_per_box(graph, 4)
+
+
+def test_the_branching_trial_bounds_its_halves_in_chunks_with_the_scores_of_one_pass():
+    """The trial's ``2 × dimensions × boxes`` halves bounded a few at a time score every box and dimension as one
+    pass over all of them does, and the pass's peak memory follows the chunk, not the number of halves."""
+    graph = _random_net(1, 3, hidden=64)
+    prop, _ = _property(graph, 3, safe=True)
+    spec = OutputSpec.from_case(prop.cases[0], graph.output.shape, graph.dtype, graph.device)
+    gen = torch.Generator().manual_seed(0)
+    lower = torch.rand(40, 3, generator=gen) - 1
+    boxes = split_module._Boxes(lower, lower + 0.5, torch.zeros(40, dtype=torch.long))
+    splittable = torch.ones(40, 3, dtype=torch.bool)
+    sb = torch.zeros(40, 3, dtype=torch.float64)
+    peaks, scores = [], []
+    for per_pass in (240, 7):
+        meter = PeakMemoryMeter(torch.device("cpu"))
+        with meter, torch.no_grad():
+            scores.append(split_module._trial_scores(graph, spec, boxes, splittable, sb, per_pass, deadline=None))
+        peaks.append(meter.peak_bytes)
+    torch.testing.assert_close(scores[1], scores[0], rtol=1e-6, atol=1e-6)
+    assert bool(torch.isfinite(scores[0]).all())
+    assert peaks[1] < peaks[0] / 4
+
+
+def test_a_round_of_the_search_takes_at_most_an_eighth_of_the_time_left(monkeypatch):
+    """On a net where bounding one box takes a while (here 20 ms more per box), the search sizes each round by the
+    last round's pace: the boxes it bounds at once take no more than an eighth of the time left (before: 128 boxes,
+    2.6 s of a 4 s budget, in the round after the root)."""
+    graph = _random_net(3, 3, hidden=16)
+    prop, _ = _property(graph, 3, safe=True, margin=0.002)
+    per_box = 0.02
+    rounds = []
+    bound = split_module._bound
+
+    def slow_bound(graph, spec, boxes, deadline, known=None):
+        n = boxes.lower.shape[0]
+        rounds.append((n, deadline - time.monotonic()))
+        time.sleep(per_box * n)
+        return bound(graph, spec, boxes, deadline, known)
+
+    monkeypatch.setattr(split_module, "_bound", slow_bound)
+    verify(graph, prop, VerifyConfig(timeout=4, bab=BabMode.INPUT, attack_restarts=0))
+    assert len(rounds) > 4
+    for n, left in rounds:
+        assert n == 1 or n * per_box <= left / 8, (n, left)
+
+
+def test_the_root_box_is_bounded_once_from_the_verifiers_own_root_pass(monkeypatch):
+    """Both searches (two branching rules) start at the root box: it is bounded once, from the intermediate bounds
+    of the verifier's CROWN pass at the root (before: twice, each with its own intermediate passes)."""
+    graph = _random_net(5, 3)
+    prop, _ = _property(graph, 3, safe=True, margin=0.01)
+    calls = []
+    bound = split_module._bound
+
+    def recording_bound(graph, spec, boxes, deadline, known=None):
+        calls.append((boxes.lower.clone(), boxes.upper.clone(), known is not None))
+        return bound(graph, spec, boxes, deadline, known)
+
+    monkeypatch.setattr(split_module, "_bound", recording_bound)
+    rules = (InputBranching.SB, InputBranching.TRIAL)
+    result = verify(graph, prop, VerifyConfig(timeout=60, bab=BabMode.INPUT, input_branching=rules, attack_restarts=0))
+    assert result.verdict is Verdict.UNSAT
+    at_root = [c for c in calls if c[0].shape[0] == 1 and bool((c[0] == -1).all() and (c[1] == 1).all())]
+    assert [known for _, _, known in at_root] == [True]
+    assert len(calls) > 2

@@ -2,8 +2,10 @@
 
 Where the input has few dimensions, splitting the box beats splitting ReLUs: every sub-box makes all bounds
 tighter at once. Each round takes a batch of open boxes (last in, first out, so the open list stays as deep as the
-search, not as wide), bounds them together with CROWN (its intermediate passes start from forward-mode bounds,
-:mod:`~lightning_fedshard.verify.bounds.forward`, which leave fewer neurons to refine), and then per box:
+search, not as wide; no more than fit the memory of one pass, ``VerifyConfig.input_pass_memory``, nor than the last
+round's pace allows in an eighth of the time left), bounds them together with CROWN (its intermediate passes start
+from forward-mode bounds, :mod:`~lightning_fedshard.verify.bounds.forward`, which leave fewer neurons to refine),
+and then per box:
 
 * drops it if some spec row is proven (a box of one disjunct is safe once any of its rows is);
 * runs the network on the minimising corner of every row's linear bound and on the centre, so counterexamples
@@ -28,6 +30,8 @@ can then no longer be ``unsat``.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,17 +46,17 @@ from lightning_fedshard.verify.bab.pieces import (
     prove_by_pieces,
 )
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
-from lightning_fedshard.verify.bounds.forward import forward_bounds
+from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
 from lightning_fedshard.verify.bounds.recheck import margins as spec_margins
 from lightning_fedshard.verify.bounds.recheck import output_pass
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.objective import OutputSpec, free_coordinates
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, past
 
-__all__ = ["input_split"]
+__all__ = ["RootBounds", "input_split"]
 
 #: sb: the coefficient floor (a dimension the bound ignores still gets split for its width).
 _SB_COEFFICIENT_FLOOR = 1e-3
@@ -67,6 +71,26 @@ _ATTACK_BOXES, _ATTACK_STEPS = 16, 20
 #: Boxes with few unstable ReLUs wait for a batch of this many before they are tried piece by piece (one β-CROWN
 #: optimisation costs about the same for one box as for hundreds).
 _PIECES_BATCH = 256
+#: A round of the search takes at most this share of the time left (by the pace of its last round).
+_ROUND_SHARE = 1 / 8
+#: The searches' last rounds whose bounds are kept: a search popping the very boxes another has just bounded
+#: (both start at the root; on a conv net, one box per round, the rules often split alike) takes them.
+_SHARED_ROUNDS = 16
+
+
+@dataclass(frozen=True)
+class RootBounds:
+    """The root box's intermediate bounds from the verifier's own CROWN pass, and the seconds that pass took: the
+    first round of every search uses them instead of bounding the root again (on a conv net that takes as long
+    as a round of children), and sizes the next round by them.
+
+    Example::
+
+        input_split(graph, spec, box, config, deadline, known_root=RootBounds(bounds, seconds=crown_seconds))
+    """
+
+    bounds: Mapping[str, Interval]
+    seconds: float
 
 
 @dataclass
@@ -115,11 +139,16 @@ class _BoxStack:
 
 
 def _bound(
-    graph: BoundGraph, spec: OutputSpec, boxes: Interval, deadline: float
+    graph: BoundGraph,
+    spec: OutputSpec,
+    boxes: Interval,
+    deadline: float,
+    known: Mapping[str, Interval] | None = None,
 ) -> tuple[Backward, dict[str, Interval]]:
     """CROWN over the spec rows (its last pass in float64: :func:`output_pass`), and the intermediate bounds it
-    used; both passes stop at the ``deadline`` (one batch of a large net takes seconds)."""
-    bounds = intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
+    used (``known`` ones where given: the root box's from the verifier's own CROWN pass); both passes stop at the
+    ``deadline`` (one batch of a large net takes seconds)."""
+    bounds = dict(known) if known is not None else intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
     return output_pass(graph, spec, boxes, bounds, deadline), bounds
 
 
@@ -154,11 +183,18 @@ def _sb_scores(A: Tensor, margins: Tensor, boxes: _Boxes) -> Tensor:
 
 
 def _trial_scores(
-    graph: BoundGraph, spec: OutputSpec, boxes: _Boxes, splittable: Tensor, sb: Tensor, deadline: float
+    graph: BoundGraph,
+    spec: OutputSpec,
+    boxes: _Boxes,
+    splittable: Tensor,
+    sb: Tensor,
+    boxes_per_pass: int,
+    deadline: float,
 ) -> Tensor:
     """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better); of
     more than ``_TRIAL_DIMS`` dimensions only those the *sb* scores ``sb`` rank first over the batch are tried. The
-    trial passes stop at the ``deadline``."""
+    halves are bounded ``boxes_per_pass`` at a time (there are ``2 × dimensions × boxes`` of them: on a conv net
+    all at once would take tens of gigabytes), each pass stopping at the ``deadline``."""
     n, d = boxes.lower.shape
     dims = splittable.any(0).nonzero().flatten()
     if dims.numel() > _TRIAL_DIMS:
@@ -166,10 +202,13 @@ def _trial_scores(
         dims = dims[ranked.topk(_TRIAL_DIMS).indices]
     every = torch.arange(n, device=dims.device).repeat(len(dims))
     halves = _split(boxes.take(every), dims.repeat_interleave(n).unsqueeze(1))
-    interval = halves.interval(graph.input.shape)
-    bounds = forward_bounds(graph, interval, deadline=deadline)
-    lower = backward_bound(graph, graph.output.name, spec.rows(len(halves)), interval, bounds, deadline=deadline).lower
-    value = spec.value(lower.T - spec.rhs).clamp(max=0).double().view(2, len(dims), n).sum(0)
+    lower = []
+    for chunk in torch.arange(len(halves), device=dims.device).split(boxes_per_pass):
+        interval = halves.take(chunk).interval(graph.input.shape)
+        bounds = forward_bounds(graph, interval, deadline=deadline)
+        rows = spec.rows(len(chunk))
+        lower.append(backward_bound(graph, graph.output.name, rows, interval, bounds, deadline=deadline).lower)
+    value = spec.value(torch.cat(lower, 1).T - spec.rhs).clamp(max=0).double().view(2, len(dims), n).sum(0)
     scores = torch.full((n, d), -torch.inf, dtype=torch.float64, device=value.device)
     scores[:, dims] = value.T
     return scores
@@ -197,14 +236,31 @@ def _split(boxes: _Boxes, dims: Tensor) -> _Boxes:
 class _Search:
     """One search over sub-boxes of the root with its own branching rule: the open boxes, and those with few
     unstable ReLUs waiting to be tried piece by piece (in batches: one β-CROWN optimisation costs about the same
-    for one box as for hundreds)."""
+    for one box as for hundreds), and the time its last round took per box."""
 
     def __init__(self, root: _Boxes, branching: InputBranching) -> None:
         self.stack, self.phases, self.branching = _BoxStack(root), _BoxStack(root.take(root.depth[:0])), branching
-        self.rounds, self.stuck = 0, False
+        self.rounds, self.stuck, self.seconds_per_box = 0, False, 0.0
 
     def __len__(self) -> int:
         return len(self.stack) + len(self.phases)
+
+    def observe(self, seconds: float, boxes: int) -> None:
+        self.seconds_per_box = seconds / boxes
+
+    def affordable(self, batch: int, deadline: float) -> int:
+        """Boxes for a round that takes at most ``_ROUND_SHARE`` of the time left at the last round's pace (at
+        least 1, at most ``batch``). On ACAS Xu a box takes microseconds and this is ``batch``; on a conv net
+        where one box takes seconds, a full batch of children would outlast the deadline in its first round."""
+        if not self.seconds_per_box:
+            return batch
+        affordable = _ROUND_SHARE * (deadline - time.monotonic()) / self.seconds_per_box
+        return max(1, min(batch, int(affordable)))
+
+
+def _pace(from_root: RootBounds | None, started: float) -> float:
+    """Seconds of a round so far, or of the root pass its known bounds stand in for."""
+    return from_root.seconds if from_root is not None else time.monotonic() - started
 
 
 def input_split(
@@ -214,16 +270,20 @@ def input_split(
     config: VerifyConfig,
     deadline: float,
     generator: torch.Generator | None = None,
+    known_root: RootBounds | None = None,
 ) -> BabOutcome:
     """Decide ``spec`` (one disjunct: all its rows must be ``≤ 0`` for a counterexample) over ``box [1, *input]``
-    by splitting the box (see the module docs). Every pass of the search stops at the ``deadline``: the answer
-    is then ``timeout``."""
+    by splitting the box (see the module docs), starting from the root box's ``known_root`` bounds where given. Every
+    pass of the search stops at the ``deadline``: the answer is then ``timeout``."""
     shape = graph.input.shape
     root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
     searches = [_Search(root, branching) for branching in config.input_branching]
-    batch = config.input_batch_size
+    free_dims = int(free_coordinates(box).sum())
+    boxes_per_pass = max(1, int(config.input_pass_memory * 2**30) // forward_bytes_per_box(graph, free_dims))
+    batch = min(config.input_batch_size, boxes_per_pass)
     bounded, max_depth = 0, 0
+    recent: dict[bytes, tuple[Backward, dict[str, Interval]]] = {}  # the last rounds' bounds, by their boxes
 
     def outcome(verdict: Verdict, cex: Tensor | None = None) -> BabOutcome:
         return BabOutcome(verdict, cex, bounded, max_depth, min(len(s) for s in searches))
@@ -238,14 +298,30 @@ def input_split(
             if len(search) > config.max_input_domains:
                 return outcome(Verdict.UNKNOWN)
             by_phases = len(search.phases) >= _PIECES_BATCH or not len(search.stack)
-            boxes = (search.phases if by_phases else search.stack).pop(_PIECES_BATCH if by_phases else batch)
-            interval = boxes.interval(shape)
+            if by_phases:
+                boxes = search.phases.pop(min(_PIECES_BATCH, boxes_per_pass))
+            else:
+                boxes = search.stack.pop(search.affordable(batch, deadline))
+            started, interval = time.monotonic(), boxes.interval(shape)
+            from_root = known_root if not search.rounds else None
+            key = torch.cat([boxes.lower, boxes.upper]).cpu().numpy().tobytes()
+            shared = recent.get(key)
+            paced = shared is None or from_root is not None  # a shared round costs nothing: not this search's pace
             with torch.no_grad():
-                out, bounds = _bound(graph, spec, interval, deadline)
+                if shared is None:
+                    known = from_root.bounds if from_root is not None else None
+                    out, bounds = _bound(graph, spec, interval, deadline, known)
+                    bounded += len(boxes)
+                    recent[key] = out, bounds
+                    if len(recent) > _SHARED_ROUNDS:
+                        del recent[next(iter(recent))]
+                else:
+                    out, bounds = shared
                 margins = spec_margins(spec, out.lower)  # [N, S]
                 corners = out.minimiser(interval).flatten(0, 1)
                 cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
-            bounded += len(boxes)
+            if paced:
+                search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
             search.rounds += 1
             if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
@@ -264,7 +340,12 @@ def input_split(
                     open_ &= ~few
                 if cex is not None:
                     return outcome(Verdict.SAT, cex.reshape(shape))
-                children = _branch(graph, spec, boxes, out, margins, open_, min_width, search, batch, deadline)
+                next_batch = search.affordable(batch, deadline)
+                children = _branch(
+                    graph, spec, boxes, out, margins, open_, min_width, search, next_batch, boxes_per_pass, deadline
+                )
+            if paced:
+                search.observe(_pace(from_root, started), len(boxes))
             if children is not None:
                 search.stack.push(children)
     except DeadlineExceeded:  # inside a pass: the search's answer is the same as at a check between batches
@@ -305,6 +386,7 @@ def _branch(
     min_width: Tensor,
     search: _Search,
     batch: int,
+    boxes_per_pass: int,
     deadline: float,
 ) -> _Boxes | None:
     """The children of the ``open_`` boxes: clipped, then split by the search's rule (``None``: none left)."""
@@ -323,7 +405,7 @@ def _branch(
         return None
     scores = _sb_scores(A, margins, boxes)
     if search.branching is InputBranching.TRIAL:
-        scores = _trial_scores(graph, spec, boxes, wide, scores, deadline)
+        scores = _trial_scores(graph, spec, boxes, wide, scores, boxes_per_pass, deadline)
     scores = torch.where(wide, scores, -torch.inf)
     # Split along as many dimensions as keep the next batch within its size (at least one).
     k = max(1, min(int(math.log2(max(batch // len(boxes), 1))), int(wide.sum(1).min())))

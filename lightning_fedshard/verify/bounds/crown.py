@@ -225,7 +225,7 @@ def intermediate_bounds(
         raise ValueError(f"conv_mode must be 'patches' or 'matrix', got {conv_mode!r}")
     bounded = set(graph.bounded)
     bounds: dict[str, Interval] = {graph.input.name: box}
-    linear = ForwardPass(box) if forward else None
+    linear = ForwardPass(graph, box) if forward else None
     if linear is not None:
         linear.tighten(graph.input, box, bounds)
     batch = box.lower.shape[0]

@@ -13,6 +13,7 @@ rule falls back to its interval bounds (constant functions).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +25,11 @@ from lightning_fedshard.verify.objective import free_coordinates
 from lightning_fedshard.verify.ops import Activation, Add, Concat, Interval, LinearOp
 from lightning_fedshard.verify.shard.lockstep import check_deadline_between_steps
 
-__all__ = ["ForwardPass", "LinearFunctions", "forward_bounds"]
+__all__ = ["ForwardPass", "LinearFunctions", "forward_bounds", "forward_bytes_per_box"]
+
+#: Copies of the largest node's functions alive at once while it is built: its inputs' functions, the centre and
+#: radius of their image, the result, and the products of concretising it.
+_LIVE_COPIES = 6
 
 
 @dataclass(frozen=True)
@@ -136,20 +141,23 @@ def _through_concat(op: Concat, sources: list[LinearFunctions], d: int) -> Linea
 class ForwardPass:
     """Forward linear functions built node by node in topological order, each from the bounds known so far: the
     caller may tighten a node's bounds (e.g. with CROWN) before the nodes after it are reached, and the ReLU
-    relaxations after it then use the tighter bounds.
+    relaxations after it then use the tighter bounds. A node's functions are dropped once every node that reads
+    them is built, so the pass holds a few nodes' functions at a time, not the whole network's (``2·(d+1)`` values
+    per neuron and box: on a conv net over a thousand boxes, gigabytes per layer).
 
     Example::
 
-        forward = ForwardPass(box)
+        forward = ForwardPass(graph, box)
         for node in graph.nodes[1:]:
             bounds[node.name] = forward.tighten(node, node.op.ibp(*inputs), bounds)
     """
 
-    def __init__(self, box: Interval) -> None:
+    def __init__(self, graph: BoundGraph, box: Interval) -> None:
         self.box = box
         self.identity, self.coordinates = LinearFunctions.identity(box)
         self.d = self.coordinates.lower.shape[1]
         self.functions: dict[str, LinearFunctions] = {}
+        self._readers_left = Counter(name for node in graph.nodes for name in node.inputs)
 
     def tighten(self, node: Node, interval: Interval, bounds: Mapping[str, Interval]) -> Interval:
         """``interval`` (valid bounds of ``node``) intersected with the range of its forward functions; ``bounds``
@@ -157,26 +165,46 @@ class ForwardPass:
         if node.op is None:
             self.functions[node.name] = self.identity
             return interval
+        mapped = self._map(node, bounds)
+        for name in node.inputs:
+            self._readers_left[name] -= 1
+            if not self._readers_left[name]:
+                del self.functions[name]
+        if mapped is None:  # no forward rule: constant functions of its interval
+            mapped = LinearFunctions.constant(interval, self.d)
+        else:
+            linear = mapped.concretize(self.coordinates)
+            lower, upper = torch.maximum(interval.lower, linear.lower), torch.minimum(interval.upper, linear.upper)
+            interval = Interval(lower, upper)
+        if self._readers_left[node.name]:
+            self.functions[node.name] = mapped
+        return interval
+
+    def _map(self, node: Node, bounds: Mapping[str, Interval]) -> LinearFunctions | None:
+        """The functions of ``node`` from its inputs' (``None``: the op has no forward rule)."""
         op, sources = node.op, [self.functions[name] for name in node.inputs]
         if isinstance(op, LinearOp):
-            mapped = _through_linear(op, sources[0], node.shape)
-        elif isinstance(op, Add):
+            return _through_linear(op, sources[0], node.shape)
+        if isinstance(op, Add):
             a, b = sources
-            mapped = (
-                LinearFunctions(a.lower - b.upper, a.upper - b.lower)
-                if op.subtract
-                else LinearFunctions(a.lower + b.lower, a.upper + b.upper)
-            )
-        elif isinstance(op, Concat):
-            mapped = _through_concat(op, sources, self.d)
-        elif isinstance(op, Activation):
-            mapped = _through_activation(op, sources[0], bounds[node.inputs[0]])
-        else:  # no forward rule: constant functions of its interval
-            self.functions[node.name] = LinearFunctions.constant(interval, self.d)
-            return interval
-        self.functions[node.name] = mapped
-        linear = mapped.concretize(self.coordinates)
-        return Interval(torch.maximum(interval.lower, linear.lower), torch.minimum(interval.upper, linear.upper))
+            if op.subtract:
+                return LinearFunctions(a.lower - b.upper, a.upper - b.lower)
+            return LinearFunctions(a.lower + b.lower, a.upper + b.upper)
+        if isinstance(op, Concat):
+            return _through_concat(op, sources, self.d)
+        if isinstance(op, Activation):
+            return _through_activation(op, sources[0], bounds[node.inputs[0]])
+        return None
+
+
+def forward_bytes_per_box(graph: BoundGraph, free_dims: int) -> int:
+    """The working memory of :func:`forward_bounds` per box over ``free_dims`` input coordinates: every node's
+    bounds, which it returns, and a few copies of the largest node's two functions, which it holds while building
+    that node. Input splitting sizes its batches by it."""
+    itemsize = torch.empty((), dtype=graph.dtype).element_size()
+    bounds = sum(2 * node.size for node in graph.nodes)
+    functions = _LIVE_COPIES * 2 * (free_dims + 1) * max(node.size for node in graph.nodes)
+    return (bounds + functions) * itemsize
 
 
 def forward_bounds(
@@ -194,7 +222,7 @@ def forward_bounds(
 
         bounds = forward_bounds(graph, boxes)          # then e.g. spec_lower(graph, C, boxes, bounds)
     """
-    forward = ForwardPass(box)
+    forward = ForwardPass(graph, box)
     bounds = {graph.input.name: forward.tighten(graph.input, box, {})}
     for node in graph.nodes[1:]:
         check_deadline_between_steps(deadline)
