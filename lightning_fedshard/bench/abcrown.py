@@ -19,17 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_fedshard.verify import Verdict, VerificationResult, check_counterexample, read_vnnlib
-from lightning_fedshard.verify.instances import read_expected, read_results, score_answer, summarise
+from lightning_fedshard.verify.instances import read_expected, read_results, result_key, score_answer, summarise
 from lightning_fedshard.verify.spec.counterexample import read_counterexample
 from lightning_fedshard.verify.verifier import model_forward
 
 __all__ = ["compare", "main", "read_abcrown"]
 
 _DECIDED = (Verdict.SAT, Verdict.UNSAT)
-
-
-def _key(result: VerificationResult) -> tuple[str, str]:
-    return Path(result.onnx).name, Path(result.vnnlib).name
 
 
 def _replay(logs: Path, folder: Path, onnx: str, vnnlib: str) -> str:
@@ -76,21 +72,21 @@ def compare(
 ) -> str:
     """Both tables, the instances only one tool decides (correctly), and the wall-time ratio where both do."""
     lines = ["ours", summarise(ours, expected), "", "α,β-CROWN", summarise(theirs, expected), ""]
-    mine = {_key(r): r for r in ours}
+    mine = {result_key(r): r for r in ours}
 
     def decided(result: VerificationResult) -> bool:
-        return result.verdict in _DECIDED and not score_answer(result, expected.get(_key(result), ""))[0]
+        return result.verdict in _DECIDED and not score_answer(result, expected.get(result_key(result), ""))[0]
 
     only, ratios = [], []
     for other in theirs:
-        own = mine.get(_key(other))
+        own = mine.get(result_key(other))
         if own is None:
             continue
         if decided(own) and decided(other):
             ratios.append(own.time_s / other.time_s)
         elif decided(own) or decided(other):
             only.append(
-                f"  {'ours' if decided(own) else 'α,β-CROWN':<10} {_key(own)[0]} {_key(own)[1]}: ours "
+                f"  {'ours' if decided(own) else 'α,β-CROWN':<10} {result_key(own)[0]} {result_key(own)[1]}: ours "
                 f"{own.verdict.value} {own.time_s:.1f} s, α,β-CROWN {other.verdict.value} {other.time_s:.1f} s"
             )
     lines.append(f"decided by one tool only ({len(only)}):")

@@ -22,6 +22,7 @@ __all__ = [
     "read_instances",
     "read_results",
     "reference_results",
+    "result_key",
     "run_instance",
     "run_instances",
     "score_answer",
@@ -90,7 +91,7 @@ def reference_results(path: str | Path, results: Sequence[VerificationResult]) -
         published = {(Path(r["onnx"]).name, Path(r["vnnlib"]).name): r for r in csv.DictReader(f)}
     reference = []
     for result in results:
-        entry = published.get(_key(result))
+        entry = published.get(result_key(result))
         if entry is None or "abcrown_result" not in entry:
             continue
         # Its counterexamples were validated by the organisers; a sat that contradicts the consensus is wrong.
@@ -167,7 +168,8 @@ def run_instances(instances: Sequence[Instance], config: VerifyConfig) -> Iterat
         yield run_instance(instance, config, index=index)
 
 
-def _key(result: VerificationResult) -> tuple[str, str]:
+def result_key(result: VerificationResult) -> tuple[str, str]:
+    """``(onnx file name, vnnlib file name)``: how results, expected verdicts and other tools' rows are matched."""
     return Path(result.onnx).name, Path(result.vnnlib).name
 
 
@@ -188,13 +190,13 @@ def write_results(
         writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
         writer.writeheader()
         for result in results:
-            known = (expected or {}).get(_key(result), "")
+            known = (expected or {}).get(result_key(result), "")
             wrong, score = score_answer(result, known)
             check = result.counterexample_check
             writer.writerow(
                 {
-                    "onnx": _key(result)[0],
-                    "vnnlib": _key(result)[1],
+                    "onnx": result_key(result)[0],
+                    "vnnlib": result_key(result)[1],
                     "verdict": result.verdict.value,
                     "time_s": round(result.time_s, 3),
                     "decided_by": result.decided_by or "",
@@ -248,10 +250,10 @@ def summarise(
     ]
     groups: dict[str, list[VerificationResult]] = {}
     for result in results:
-        groups.setdefault(_key(result)[0 if by == "network" else 1], []).append(result)
+        groups.setdefault(result_key(result)[0 if by == "network" else 1], []).append(result)
     for name, group in [*groups.items(), ("total", list(results))]:
         count = {v: sum(r.verdict is v for r in group) for v in Verdict}
-        scores = [score_answer(r, (expected or {}).get(_key(r), "")) for r in group]
+        scores = [score_answer(r, (expected or {}).get(result_key(r), "")) for r in group]
         median = statistics.median(r.time_s for r in group) if group else 0.0
         decided = [r.time_s for r in group if r.verdict in (Verdict.SAT, Verdict.UNSAT)]
         median_decided = statistics.median(decided) if decided else 0.0
