@@ -121,7 +121,7 @@ def our_bounds(path: Path, alpha_iterations: int) -> dict[str, tuple[list[float]
     phases = CasePhases(graph, _case())
     ibp = graph.ibp(phases.box)[graph.output.name]
     crown = phases.crown()
-    alpha = phases.alpha(alpha_iterations).lower[:, 0] - phases.spec.rhs
+    alpha = phases.spec.margins(phases.alpha(alpha_iterations).lower)[0]
     return {"ibp": (ibp.lower[0].tolist(), ibp.upper[0].tolist()), "crown": _sides(crown), "alpha-crown": _sides(alpha)}
 
 

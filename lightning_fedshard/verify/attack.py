@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import past
 
@@ -64,9 +64,9 @@ def pgd_attack(
             with torch.enable_grad():
                 value = spec.point_value(graph(part))
                 (grad,) = torch.autograd.grad(value.sum(), part)
-            found = (value <= 0).nonzero()
-            if found.numel():
-                return part[found[0, 0]].detach().clone()
+            found = first_counterexample(graph, spec, part, value.detach())
+            if found is not None:
+                return found
             if past(deadline):
                 return None
             grads.append(grad)

@@ -4,10 +4,12 @@ the device one rank of a run puts its model, boxes, bounds and domains on."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-__all__ = ["DEVICE_CHOICES", "check_device", "resolve_device"]
+__all__ = ["DEVICE_CHOICES", "check_device", "full_precision", "resolve_device"]
 
 #: The names ``fedshard verify --device`` takes (``VerifyConfig.device`` also takes ``cuda:N``).
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
@@ -22,6 +24,25 @@ def check_device(name: str) -> str:
     """
     resolve_device(name, local_rank=0)
     return name
+
+
+@contextmanager
+def full_precision() -> Iterator[None]:
+    """float32 matrix products and convolutions in full float32 inside the block, TF32 switched off (torch 2.13
+    lets cuDNN convolutions use TF32's 10-bit mantissa by default, which no float32 error bound covers); the
+    settings are restored after it.
+
+    Example::
+
+        with full_precision():
+            result = verify(graph, prop)
+    """
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +25,14 @@ from lightning_fedshard.verify.ops import (
 _PER_ELEMENT = (ElementwiseAffine, Reshape, Select, Transpose)
 
 __all__ = ["BoundGraph", "Node"]
+
+
+def _in_precision(value: Tensor, precision: torch.dtype | None) -> Tensor:
+    """``value`` rounded to the model's narrower float type, as the model holds it (float16 nodes of a graph
+    computed in float32)."""
+    if precision is None or precision.itemsize >= value.dtype.itemsize:
+        return value
+    return value.to(precision).to(value.dtype)
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,11 @@ class BoundGraph:
         self.relus = [node for node in self.nodes if isinstance(node.op, ReLU)]
         #: The pre-activation node of each ReLU node, in ReLU order (ReLU-specific code: LP programs, phase pieces).
         self.pre_activation = {relu.name: relu.inputs[0] for relu in self.relus}
+        #: The float type the model takes its input in (``None``: the graph's dtype); the loader sets it.
+        self.input_precision: torch.dtype | None = None
+        #: The model itself, flat inputs to flat outputs (onnxruntime on the ONNX file, set by ``verify_files``):
+        #: counterexamples found on this graph's float32 forward pass are confirmed on it before they count.
+        self.model: Callable[[np.ndarray], np.ndarray] | None = None
         self._ancestors: dict[str, list[Node]] = {}
         self._ibp_exact: dict[str, bool] = {}
 
@@ -145,9 +159,11 @@ class BoundGraph:
 
     def __call__(self, x: Tensor) -> Tensor:
         """Forward pass: ``x [B, *input shape]`` (or flat ``[B, input size]``) → ``[B, *output shape]``."""
-        values = {self.input.name: x.reshape(x.shape[0], *self.input.shape)}
+        values = {self.input.name: _in_precision(x.reshape(x.shape[0], *self.input.shape), self.input_precision)}
         for node in self.nodes[1:]:
-            values[node.name] = node.op.forward(*(values[name] for name in node.inputs))
+            values[node.name] = _in_precision(
+                node.op.forward(*(values[name] for name in node.inputs)), node.op.precision
+            )
             if node is self.output:
                 break
         return values[self.output.name]
@@ -160,6 +176,17 @@ class BoundGraph:
             if node is self.output:
                 break
         return bounds
+
+    def complete_bounds(
+        self, box: Interval, bounds: Mapping[str, Interval], upto: str | None = None
+    ) -> dict[str, Interval]:
+        """``bounds`` (known valid: bounded nodes' intervals, say) with every other node up to ``upto`` (the output
+        by default) filled in by interval propagation from them and the input ``box``."""
+        complete = {self.input.name: box}
+        for node in self.ancestors(upto or self.output.name)[1:]:
+            known = bounds.get(node.name)
+            complete[node.name] = known if known is not None else node.op.ibp(*(complete[n] for n in node.inputs))
+        return complete
 
     def ancestors(self, name: str) -> list[Node]:
         """The nodes ``name`` depends on, itself included, in topological order."""

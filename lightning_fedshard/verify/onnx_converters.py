@@ -5,12 +5,13 @@ Accepted (on tensors computed from the input; anything on constants alone is fol
 * linear: Gemm; MatMul with a constant on either side (``x @ W``, ``W @ x``, 1-D operands too); Conv and
   ConvTranspose (1-D and 2-D); BatchNormalization (inference); AveragePool, GlobalAveragePool; ReduceSum,
   ReduceMean; Add/Sub/Mul/Div with a constant; Add/Sub of two computed tensors (broadcast); Neg;
-* data movement (exact): Reshape, Flatten, Squeeze, Unsqueeze, Identity, Dropout, Cast between float types,
+* data movement (exact): Reshape, Flatten, Squeeze, Unsqueeze, Identity, Dropout, Cast to a wider float type,
   Transpose, Concat (with constant pieces too), and — as output element *i* is input element *index[i]*, the
   indices found by running the ONNX operator itself on the input's positions — Slice, Gather with constant
   indices, Split, Expand, Tile, Pad (any constant value, reflect, edge), nearest-neighbour Resize/Upsample,
   DepthToSpace, SpaceToDepth, GatherElements;
-* non-linear: Relu, LeakyRelu, Abs, Clip, Sign, Floor, Sigmoid, Tanh, Exp, Log, Sqrt, Reciprocal, Pow with a
+* rounding: Cast to a narrower float type (float16, bfloat16; float32 in a float64 model), Floor, Ceil, Round;
+* non-linear: Relu, LeakyRelu, Abs, Clip, Sign, Sigmoid, Tanh, Exp, Log, Sqrt, Reciprocal, Pow with a
   constant exponent (and a positive constant base: ``c^x = exp(x·ln c)``), Sin, Cos, Softmax, MaxPool (any
   kernel, stride, padding, dilation; non-overlapping 2-D pools as pairwise maxima ``ReLU(a − b) + b``),
   ReduceMax/ReduceMin, Mul and Div of two computed tensors (``x·x`` is the square; ``x / y = x · (1/y)``), MatMul
@@ -31,12 +32,19 @@ import torch
 import torch.nn.functional as F
 from onnx.reference import ReferenceEvaluator
 
-from lightning_fedshard.verify.onnx_loader import LoadContext, NeedsUnbatched, OnnxLoadError, UnsupportedModelError
+from lightning_fedshard.verify.onnx_loader import (
+    FLOAT_TYPES,
+    LoadContext,
+    NeedsUnbatched,
+    OnnxLoadError,
+    UnsupportedModelError,
+)
 from lightning_fedshard.verify.ops import (
     Add,
     AvgPool2d,
     BatchNorm,
     BoundOp,
+    Ceil,
     Clip,
     Concat,
     Conv2d,
@@ -53,6 +61,8 @@ from lightning_fedshard.verify.ops import (
     Reciprocal,
     Reduce,
     ReLU,
+    Round,
+    RoundToFloat,
     Select,
     Sigmoid,
     Sign,
@@ -86,8 +96,6 @@ DISCRETE = {
     "IsInf": "a boolean",
     "NonZero": "indices",
     "TopK": "indices and a sort",
-    "Round": "a rounding",
-    "Ceil": "a rounding",
 }
 
 
@@ -584,11 +592,17 @@ def _identity(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
 
 
 def _cast(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
-    target = attrs.get("to")
-    if target not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
-        name = onnx.TensorProto.DataType.Name(target) if target is not None else "?"
-        raise UnsupportedModelError(f"Cast to {name} of a tensor computed from the input is discrete")
-    ctx.alias(_out(node), node.input[0])
+    target = FLOAT_TYPES.get(attrs.get("to"))
+    if target is None:
+        name = onnx.TensorProto.DataType.Name(attrs["to"]) if "to" in attrs else "?"
+        raise UnsupportedModelError(
+            f"Cast to {name} at node {node.name or _out(node)!r} of a tensor computed from the input is discrete "
+            "(a rounding to integers): no linear bound holds across its jumps"
+        )
+    if target.itemsize < ctx.tensor_type(node.input[0]).itemsize:
+        ctx.emit(_out(node), RoundToFloat(target), node.input[0])  # narrowing: the model rounds every value
+    else:
+        ctx.alias(_out(node), node.input[0])
 
 
 def _shape(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
@@ -812,6 +826,8 @@ CONVERTERS: dict[str, Converter] = {
     "Clip": _clip,
     "Sign": _activation(Sign),
     "Floor": _activation(Floor),
+    "Ceil": _activation(Ceil),
+    "Round": _activation(Round),
     "Sigmoid": _activation(Sigmoid),
     "Tanh": _activation(Tanh),
     "Exp": _activation(Exp),

@@ -28,7 +28,15 @@ from torch import Tensor
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.ops import BoundOp, ElementwiseAffine, Linear, Reshape
 
-__all__ = ["OnnxLoadError", "UnsupportedModelError", "load_onnx", "onnx_source"]
+__all__ = ["FLOAT_TYPES", "OnnxLoadError", "UnsupportedModelError", "load_onnx", "model_dtype", "onnx_source"]
+
+#: The ONNX float types and the torch dtypes they are computed in.
+FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+}
 
 
 class OnnxLoadError(ValueError):
@@ -62,11 +70,19 @@ class LoadContext:
         self.variables: dict[str, Node] = {}  # Identity makes several tensor names point at one node
         self.nodes: list[Node] = []
         self._names: set[str] = set()
+        #: The float type the model computes each computed tensor in (by ONNX tensor name).
+        self.types: dict[str, torch.dtype] = {}
+        #: The float type of the ONNX node being converted: the precision of the ops it becomes.
+        self.precision: torch.dtype | None = None
 
     # -- tensors -----------------------------------------------------------------------------------------------
 
     def is_constant(self, name: str) -> bool:
         return name in self.constants
+
+    def tensor_type(self, name: str) -> torch.dtype:
+        """The float type the model computes the computed tensor ``name`` in."""
+        return self.types.get(name, torch.float32)
 
     def variable(self, name: str) -> Node:
         if name not in self.variables:
@@ -107,7 +123,7 @@ class LoadContext:
         onnx_shape = tuple(int(d) for d in onnx_shape)
         if not self.batched:
             return onnx_shape
-        if not onnx_shape or onnx_shape[0] != 1:
+        if len(onnx_shape) < 2 or onnx_shape[0] != 1:  # one number per sample is a vector of one, unbatched
             raise NeedsUnbatched
         return onnx_shape[1:]
 
@@ -149,8 +165,12 @@ class LoadContext:
         padding, which onnxruntime, ONNX's reference evaluator and torch all drop."""
         sources = [self.variable(source) for source in inputs]
         op.to(self.dtype)
+        if op.precision is None:
+            op.precision = self.precision
         probe = [torch.zeros(1, *node.shape, dtype=self.dtype) for node in sources]
         shape = tuple(op.forward(*probe).shape[1:])
+        if not shape and self.batched:  # one number per sample (a reduction without keepdims): load unbatched
+            raise NeedsUnbatched
         node = Node(name, op, tuple(source.name for source in sources), shape)
         self.nodes.append(node)
         self.variables[name] = node
@@ -228,9 +248,25 @@ def attributes(node: onnx.NodeProto) -> dict:
     return {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
 
 
-def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> BoundGraph:
+def model_dtype(model: onnx.ModelProto) -> torch.dtype:
+    """The dtype a model is verified in: float64 for a float64 model, else float32 (float16 and bfloat16 models
+    are bounded in float32; their own rounding is charged in their type)."""
+    (value,) = [v for v in model.graph.input if v.name not in {init.name for init in model.graph.initializer}]
+    return torch.float64 if _input_type(value) == torch.float64 else torch.float32
+
+
+def _input_type(value: onnx.ValueInfoProto) -> torch.dtype:
+    elem_type = value.type.tensor_type.elem_type
+    if elem_type not in FLOAT_TYPES:
+        name = onnx.TensorProto.DataType.Name(elem_type)
+        raise UnsupportedModelError(f"input {value.name!r} has type {name}; the verifier takes float inputs")
+    return FLOAT_TYPES[elem_type]
+
+
+def load_onnx(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> BoundGraph:
     """Read ``path`` (``.onnx`` or gzipped ``.onnx.gz``) into a :class:`BoundGraph` with constants in ``dtype``
-    on ``device`` (built and checked on the CPU, then moved once).
+    (``None``: :func:`model_dtype`) on ``device`` (built and checked on the CPU, then moved once). Each op's
+    ``precision`` is the float type the model computes its node in.
 
     Node names are the ONNX tensor names (extra nodes of a rewrite are named after them); node shapes drop the
     leading ONNX dimension (1 or symbolic) — or, for a network that moves or mixes it, are the full ONNX shapes.
@@ -247,6 +283,7 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32, device: torc
     if not model.HasField("graph") or not model.graph.output:
         raise OnnxLoadError(f"{path} is not an ONNX model: it has no graph outputs")
     dims = _input_dims(model)
+    dtype = dtype if dtype is not None else model_dtype(model)
     batched = not dims[0].HasField("dim_value") or dims[0].dim_value == 1
     if batched:
         try:
@@ -260,7 +297,9 @@ def load_onnx(path: str | Path, dtype: torch.dtype = torch.float32, device: torc
         raise OnnxLoadError(f"the graph output {output!r} is a constant or is never computed")
     nodes = _fuse_biases(ctx.nodes, ctx.variables[output].name)
     _check_finite(nodes, path)
-    return BoundGraph(nodes, output=ctx.variables[output].name).to(device=device)
+    graph = BoundGraph(nodes, output=ctx.variables[output].name).to(device=device)
+    graph.input_precision = ctx.types[nodes[0].name]
+    return graph
 
 
 def _input_dims(model: onnx.ModelProto) -> list:
@@ -289,9 +328,10 @@ def _convert(model: onnx.ModelProto, dtype: torch.dtype, batched: bool) -> LoadC
         ctx.constants[init.name] = numpy_helper.to_array(init)
     (value,) = [v for v in graph.input if v.name not in ctx.constants]
     dims = [d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim]
-    shape = tuple(dims[1:]) if batched else tuple(dims)
+    shape = ctx.node_shape(dims)
     ctx.nodes.append(Node(value.name, None, (), shape))
     ctx.variables[value.name] = ctx.nodes[0]
+    ctx.types[value.name] = _input_type(value)
 
     for node in graph.node:
         label = node.name or node.output[0]
@@ -301,6 +341,11 @@ def _convert(model: onnx.ModelProto, dtype: torch.dtype, batched: bool) -> LoadC
         if all(ctx.is_constant(name) for name in node.input if name):
             fold(ctx, node)
             continue
+        # A node computes in its inputs' float type, a Cast in its target's (ONNX has no implicit conversions).
+        computed = [name for name in node.input if name and not ctx.is_constant(name)]
+        ctx.precision = ctx.tensor_type(computed[0])
+        if node.op_type == "Cast" and attributes(node).get("to") in FLOAT_TYPES:
+            ctx.precision = FLOAT_TYPES[attributes(node)["to"]]
         op_name = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
         if op_name in DISCRETE:
             raise UnsupportedModelError(
@@ -314,6 +359,9 @@ def _convert(model: onnx.ModelProto, dtype: torch.dtype, batched: bool) -> LoadC
             converter(ctx, node, attributes(node))
         except (ValueError, RuntimeError, IndexError) as err:  # op constructors and forward passes reject bad inputs
             raise UnsupportedModelError(f"{node.op_type} node {label!r}: {err}") from err
+        for name in node.output:
+            if name in ctx.variables:
+                ctx.types[name] = ctx.precision
     return ctx
 
 
@@ -350,7 +398,12 @@ def _fuse_biases(nodes: list[Node], output: str) -> list[Node]:
         if op.in_shape != op.out_shape or op.shift.numel() != source.shape[-1]:
             continue  # a constant that varies along other dimensions than the layer's outputs
         shift = op.shift.reshape(-1)
-        bias = shift if source.op.bias is None else source.op.bias + shift
+        if source.op.bias is None:
+            layer = Linear(source.op.weight, shift)
+        else:  # one constant for two the model adds one after the other: its rounding scales with both
+            layer = Linear(source.op.weight, source.op.bias + shift)
+            layer.constant_magnitude = source.op.bias.abs() + shift.abs()
+        layer.precision = source.op.precision
         fused[source.name] = None
-        fused[node.name] = Node(node.name, Linear(source.op.weight, bias), source.inputs, node.shape)
+        fused[node.name] = Node(node.name, layer, source.inputs, node.shape)
     return [fused.get(node.name, node) for node in nodes if fused.get(node.name, node) is not None]

@@ -40,7 +40,9 @@ class CasePhases:
 
     def __init__(self, graph: BoundGraph, case: Case, plan: ShardPlan | None = None) -> None:
         self.graph, self.plan = graph, plan or ShardPlan()
-        self.box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype, graph.device)
+        self.box = box_tensor(
+            case.box.lower, case.box.upper, graph.input.shape, graph.dtype, graph.device, graph.input_precision
+        )
         self.spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype, graph.device)
 
     def resident_bytes(self) -> int:
@@ -56,7 +58,7 @@ class CasePhases:
         with torch.no_grad():
             bounds = intermediate_bounds(self.graph, self.box, partition=self.plan.partition)
             lower = spec_lower(self.graph, self.spec.rows(1), self.box, bounds, partition=self.plan.partition)
-        return lower[:, 0] - self.spec.rhs
+        return self.spec.margins(lower)[0]
 
     def alpha(self, iterations: int) -> AlphaResult:
         """α-CROWN at the root, ``iterations`` steps (no early stop)."""

@@ -97,7 +97,10 @@ def test_the_lp_equals_one_written_independently(seed):
         for sense in (-1, 1):
             ours = program.solve(h, neuron, sense, 10.0)
             theirs = _triangle_lp(graph, bounds, "fc2", neuron, sense)
-            assert ours == pytest.approx(theirs, abs=1e-5), (neuron, sense)
+            # Ours charges the model's float32 rounding of each pre-activation (its rows are ranges of that width,
+            # not equalities): never tighter than the exact program, and looser by no more than that.
+            looser = sense * (ours - theirs)
+            assert -1e-7 <= looser <= 1e-4 * (1 + abs(theirs)), (neuron, sense, ours, theirs)
 
 
 def _sampled(graph: BoundGraph, name: str, points: int = 20000) -> torch.Tensor:
@@ -259,10 +262,10 @@ def test_a_bound_stays_sound_where_the_solver_stops_within_its_dual_tolerance():
     h = program.highs()
     h.setOptionValue("presolve", "off")
     low = program.solve(h, 0, -1, 10.0)
-    assert h.getInfo().objective_function_value == 0.0  # the solver's own answer is off by 0.01
+    assert h.getInfo().objective_function_value > -1e-6  # the solver's own answer is off by 0.01
     true_minimum = Fraction(float(torch.tensor(-1e-8))) * 10**6  # x0 = 10^6, relu(x1 − 0.5) = 0
     assert Fraction(low) <= true_minimum
-    assert float(true_minimum - Fraction(low)) < 1e-9
+    assert float(true_minimum - Fraction(low)) < 1e-6  # the model's float32 rounding of fc1, charged: ≈ γ₆·0.51
 
 
 def test_the_triangle_row_holds_on_the_relu_graph_exactly():

@@ -17,13 +17,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import helper
+from onnx import TensorProto, helper
 
 from lightning_fedshard.verify import Verdict, VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
 from lightning_fedshard.verify.onnx_loader import load_onnx
 from lightning_fedshard.verify.ops import (
+    Ceil,
     Clip,
     Concat,
     ConvTranspose2d,
@@ -38,6 +39,8 @@ from lightning_fedshard.verify.ops import (
     Reciprocal,
     Reduce,
     ReLU,
+    Round,
+    RoundToFloat,
     Select,
     Sigmoid,
     Sign,
@@ -81,6 +84,12 @@ UNARY = {
     "Sign": ([_node("Sign", ["h"])], Sign),
     "Clip": ([_node("Clip", ["h", "low", "high"])], Clip),
     "Floor": ([_node("Floor", ["h"])], Floor),
+    "Ceil": ([_node("Ceil", ["h"])], Ceil),
+    "Round": ([_node("Round", ["h"])], Round),
+    "Cast_float16": (
+        [_node("Cast", ["h"], ["c"], to=TensorProto.FLOAT16), _node("Cast", ["c"], to=TensorProto.FLOAT)],
+        RoundToFloat,
+    ),
     "Pow_2": ([_node("Pow", ["h", "two"])], Pow),
     "Pow_3": ([_node("Pow", ["h", "three"])], Pow),
     "Relu": ([_node("Relu", ["h"])], ReLU),

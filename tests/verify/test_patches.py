@@ -154,14 +154,14 @@ def test_batchnorm():
     gen, shape = _gen(3), (4, 6, 7)
     gamma, beta, mean = (torch.randn(4, generator=gen, dtype=DTYPE) for _ in range(3))
     bn = BatchNorm(gamma, beta, mean, torch.rand(4, generator=gen, dtype=DTYPE) + 0.1, 1e-5, shape)
-    _check_backward(bn, _random_patches(shape), [None])
+    _check_backward(bn, _random_patches(shape), [_bounds(shape)])
 
 
 @pytest.mark.parametrize("constant_shape", [(4, 6, 7), (1, 4, 6, 7), (4, 1, 7), (7,), ()])
 def test_elementwise_affine(constant_shape):
     gen, shape = _gen(4), (4, 6, 7)
     scale, shift = (torch.randn(constant_shape, generator=gen, dtype=DTYPE) for _ in range(2))
-    _check_backward(ElementwiseAffine(scale, shift, shape, shape), _random_patches(shape), [None])
+    _check_backward(ElementwiseAffine(scale, shift, shape, shape), _random_patches(shape), [_bounds(shape)])
 
 
 def test_contract_with_per_pixel_and_batched_values():
@@ -183,7 +183,7 @@ def test_add_fork_with_different_windows():
     assert isinstance(total, Patches)
     _close(total.to_dense(), through_conv.to_dense() + rows.to_dense())
     _close((-through_conv + rows).to_dense(), rows.to_dense() - through_conv.to_dense())
-    (A_a, A_b), _ = Add(subtract=True).backward(total, [None, None])
+    (A_a, A_b), _ = Add(subtract=True).backward(total, [_bounds(shape), _bounds(shape)])
     _close(A_a.to_dense() + A_b.to_dense(), torch.zeros_like(total.to_dense()))
 
 
@@ -210,7 +210,7 @@ def test_avgpool_composes_like_a_depthwise_conv(kwargs):
     in_shape = (3, 8, 8)
     pool = AvgPool2d(in_shape, **kwargs)
     rows = _rows(_out_shape(pool, in_shape))
-    _check_backward(pool, rows, [None])
+    _check_backward(pool, rows, [_bounds(in_shape)])
 
 
 @pytest.mark.parametrize(
@@ -248,10 +248,12 @@ def _spec(batch: int = BATCH, dtype=DTYPE) -> torch.Tensor:
 
 
 def _assert_same_bounds(got: dict[str, Interval], want: dict[str, Interval]) -> None:
+    # Equal up to float32 summation order, and up to the rounding charge (at most 0.02 here), which each mode sums
+    # in its own float32 product and scales up by its own γ of the terms: up to 0.2 % of it apart.
     assert set(got) == set(want)
     for name, interval in got.items():
         for a, b in ((interval.lower, want[name].lower), (interval.upper, want[name].upper)):
-            assert ((a - b).abs() <= 1e-5 * (1 + b.abs())).all(), name
+            assert ((a - b).abs() <= 4e-5 * (1 + b.abs())).all(), name
 
 
 @pytest.fixture(scope="module")

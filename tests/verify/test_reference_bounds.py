@@ -56,15 +56,15 @@ def _property(vnnlib: str, input_shape: tuple[int, ...]):
     return box, C, rhs
 
 
-def _close(ours: np.ndarray, ref: np.ndarray) -> bool:
+def _close(ours: np.ndarray, ref: np.ndarray, looser: float) -> bool:
     # The reference is rounded to 4 decimals; deep nets reach margins of -10^5, where float32 summation order
-    # alone moves the last digits (2e-6 relative, measured before the rounding below). Our ReLU chords' intercepts
-    # are also raised by 3ε·u past their own rounding, to stay above the ReLU in exact arithmetic (auto_LiRPA's are
-    # not): over the deep nets' hundreds of unstable neurons that is up to 2e-5 of a margin of -300 (256x6
-    # prop_3_0.05), always on the loose side, so ours may be that much lower but never higher.
-    looser = np.all(ours >= ref - 1e-4 - 3e-5 * np.abs(ref))
+    # alone moves the last digits (2e-6 relative, measured before the rounding below). Every bound of ours is
+    # charged the worst-case rounding of the model's float32 sums and of our own (auto_LiRPA's are not): ours may be
+    # lower by ``looser`` of the margin (measured: IBP 0.8 %, CROWN up to 5 % on 256x6 and 0.052 on a margin of
+    # -0.78 of 256x2 prop_6_0.03, where one more ReLU becomes unstable), and never higher.
+    not_looser = np.all(ours >= ref - 1e-4 - looser * (1 + np.abs(ref)))
     not_tighter = np.all(ours <= ref + 1e-4 + 2e-6 * np.abs(ref))
-    return bool(looser and not_tighter)
+    return bool(not_looser and not_tighter)
 
 
 def _ibp_margins(graph, box, C, rhs) -> torch.Tensor:
@@ -76,7 +76,7 @@ def _ibp_margins(graph, box, C, rhs) -> torch.Tensor:
     x = bounds[last.inputs[0]]
     weight = C[:, 0] @ last.op.weight
     centre = x.center @ weight.T + C[:, 0] @ last.op.bias
-    return (centre - x.radius @ weight.abs().T).T - rhs
+    return (centre - x.radius_around(x.center) @ weight.abs().T).T - rhs
 
 
 def _crown(graph, box, C):
@@ -92,7 +92,7 @@ def test_ibp_matches_auto_lirpa(net):
     for vnnlib in _rows(net, "IBP"):
         box, C, rhs = _property(vnnlib, graph.input.shape)
         ours, ref = _ibp_margins(graph, box, C, rhs).flatten().numpy(), _reference()[net, vnnlib, "IBP"]
-        if not _close(ours, ref):
+        if not _close(ours, ref, looser=0.01):
             mismatches[vnnlib] = (ours.round(4).tolist(), ref.tolist())
     assert mismatches == {}
 
@@ -104,7 +104,7 @@ def test_crown_matches_auto_lirpa(net):
     for vnnlib in _rows(net, "CROWN"):
         box, C, rhs = _property(vnnlib, graph.input.shape)
         ours, ref = (_crown(graph, box, C) - rhs).flatten().numpy(), _reference()[net, vnnlib, "CROWN"]
-        if not _close(ours, ref):
+        if not _close(ours, ref, looser=0.06):
             mismatches[vnnlib] = (ours.round(4).tolist(), ref.tolist())
     assert mismatches == {}
 
@@ -119,8 +119,9 @@ def _alpha_properties(net: str) -> list[str]:
 
 @pytest.mark.parametrize("net", NETS[:2])
 def test_alpha_crown_reaches_auto_lirpa(net):
-    """Our α-CROWN with its default 40 iterations is at least as tight as auto_LiRPA's 20 (lr 0.1 both) on every
-    row; at 20 iterations the two optimisers end within 5e-3 of each other, on either side."""
+    """Our α-CROWN with its default 40 iterations is as tight as auto_LiRPA's 20 (lr 0.1 both) on every row, up to the
+    rounding ours charges and auto_LiRPA's does not; at 20 iterations the two optimisers end within 5e-3 of each
+    other, on either side."""
     graph = _graph(net)
     misses = {}
     for vnnlib in _alpha_properties(net):
@@ -128,7 +129,9 @@ def test_alpha_crown_reaches_auto_lirpa(net):
         ours = alpha_crown(graph, box, C, iterations=VerifyConfig().alpha_iterations, lr=0.1).lower
         assert (ours - _crown(graph, box, C)).min() >= -1e-6, vnnlib
         ours = (ours - rhs).flatten().numpy()
-        shortfall = _reference()[net, vnnlib, "alpha-CROWN"] - ours
-        for row in np.flatnonzero(shortfall > 1e-3):
+        reference = _reference()[net, vnnlib, "alpha-CROWN"]
+        # Within the rounding charge of ours (measured: at most 5.1e-3 on 256x2, 0.5 % of 1 + |margin|).
+        shortfall = reference - ours
+        for row in np.flatnonzero(shortfall > 1e-3 + 0.01 * (1 + np.abs(reference))):
             misses[vnnlib, int(row)] = round(float(shortfall[row]), 4)
     assert misses == {}

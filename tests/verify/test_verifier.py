@@ -73,14 +73,14 @@ def test_a_counterexample_that_does_not_replay_is_not_reported(monkeypatch):
 
     def shifted(onnx_path, graph=None):
         forward = model_forward(onnx_path, graph)
-        # a model that computes 1 % more than our graph: beyond the scorer's 1e-3 for outputs matching execution
+        # a model that computes 1 % more than our graph: its outputs leave our bounds at the counterexample
         return lambda x: forward(x) * 1.01
 
     monkeypatch.setattr(verifier, "model_forward", shifted)
     onnx, vnnlib = MNIST / "onnx" / "mnist-net_256x2.onnx", MNIST / "vnnlib" / "prop_1_0.03.vnnlib"
     result = verify_files(onnx, vnnlib, VerifyConfig(timeout=30))
     assert result.verdict is Verdict.UNKNOWN and result.counterexample is None
-    assert "differ from onnxruntime's by 0.0099" in result.counterexample_check
+    assert "outside our bounds" in result.counterexample_check  # our graph computes another function: a loader bug
 
 
 @needs_mnist

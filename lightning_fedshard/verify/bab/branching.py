@@ -15,7 +15,7 @@ from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.beta import beta_crown
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec
-from lightning_fedshard.verify.ops import Conv2d, Interval, Linear
+from lightning_fedshard.verify.ops import Conv2d, Interval, Linear, flat
 
 __all__ = ["branch_scores", "choose_branches"]
 
@@ -50,9 +50,9 @@ def branch_scores(graph: BoundGraph, domains: DomainBatch, kept: dict[str, Tenso
             A = torch.zeros(
                 open_rows.shape[1], len(domains), *consumer.shape, dtype=graph.dtype, device=open_rows.device
             )
-        gain = consumer.op.branch_gain(A, inputs, index, _constant_term(graph, name)).flatten(2)  # [S, N, size]
+        gain = flat(consumer.op.branch_gain(A, inputs, index, _constant_term(graph, name)), 2)  # [S, N, size]
         score = (gain * weight.unsqueeze(-1)).sum(0).abs()
-        free = graph.split_mask(name, bounds).flatten(1)
+        free = flat(graph.split_mask(name, bounds), 1)
         scores.append(torch.where(free, score, -torch.inf))
     return torch.cat(scores, 1)
 
@@ -75,7 +75,7 @@ def _points(graph: BoundGraph, domains: DomainBatch, layer: Tensor, neuron: Tens
             continue
         consumer, input_index = graph.splitter[name]
         inputs = graph.consumer_inputs(consumer, bounds)
-        points = consumer.op.split_point(inputs, input_index).flatten(1)  # [N, size]
+        points = flat(consumer.op.split_point(inputs, input_index), 1)  # [N, size]
         point[chosen] = points[owner[chosen], neuron[chosen]].to(point.dtype)
     return point
 
@@ -110,7 +110,9 @@ def choose_branches(
     layer, neuron = _locate(graph, top.T.reshape(-1))  # candidate-major: [k·N]
     point = _points(graph, domains, layer, neuron, owners.repeat(k))
     trials = domains.repeat(k).split(graph.split_nodes, layer, neuron, point)  # [2·k·N]: upper halves, then lower
-    margins = beta_crown(graph, box, spec.rows(len(trials)), trials, iterations=0, deadline=deadline).lower.T - spec.rhs
+    margins = spec.margins(
+        beta_crown(graph, box, spec.rows(len(trials)), trials, iterations=0, deadline=deadline).lower
+    )
     value = spec.value(torch.fmax(margins, trials.margins)).view(2, k, n).min(0).values  # [k, N]
     value = torch.where(top_scores.T.isfinite(), value, -torch.inf)
     best = value.argmax(0)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.ops import Interval
+from lightning_fedshard.verify.ops import Interval, flat
 
 if TYPE_CHECKING:
     from lightning_fedshard.verify.bounds.alpha import AlphaResult
@@ -72,7 +72,7 @@ class DomainBatch:
             points={name: torch.zeros_like(low[name]) for name in graph.split_nodes},
             betas={name: low[name].new_zeros(spec.num_rows, *low[name].shape) for name in graph.split_nodes},
             alphas={name: alpha.clone() for name, alpha in alphas.items()},
-            margins=lower.T - spec.rhs,
+            margins=spec.margins(lower),
             depth=torch.zeros(n, dtype=torch.long, device=device),
             branch_layer=torch.zeros(n, dtype=torch.long, device=device),
             branch_neuron=torch.zeros(n, dtype=torch.long, device=device),
@@ -152,7 +152,7 @@ class DomainBatch:
                 continue
             which, at = neuron[chosen], point[chosen].to(self.lower[name].dtype)
             lower, upper, splits, points = (
-                t[name].flatten(1) for t in (children.lower, children.upper, children.splits, children.points)
+                flat(t[name], 1) for t in (children.lower, children.upper, children.splits, children.points)
             )
             above, below = rows[chosen], rows[chosen] + n
             lower[above, which] = torch.maximum(lower[above, which], at)

@@ -41,19 +41,16 @@ from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.loop import BabOutcome
 from lightning_fedshard.verify.bab.pieces import (
     PIECES_MAX_UNSTABLE,
-    counterexample_among,
     pieces_apply,
     prove_by_pieces,
 )
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
 from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
-from lightning_fedshard.verify.bounds.recheck import margins as spec_margins
-from lightning_fedshard.verify.bounds.recheck import output_pass
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec, free_coordinates
-from lightning_fedshard.verify.ops import Interval
+from lightning_fedshard.verify.objective import OutputSpec, first_counterexample, free_coordinates
+from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, past
 
 __all__ = ["RootBounds", "input_split"]
@@ -145,16 +142,16 @@ def _bound(
     deadline: float,
     known: Mapping[str, Interval] | None = None,
 ) -> tuple[Backward, dict[str, Interval]]:
-    """CROWN over the spec rows (its last pass in float64: :func:`output_pass`), and the intermediate bounds it
-    used (``known`` ones where given: the root box's from the verifier's own CROWN pass); both passes stop at the
-    ``deadline`` (one batch of a large net takes seconds)."""
+    """CROWN over the spec rows, and the intermediate bounds it used (``known`` ones where given: the root box's from
+    the verifier's own CROWN pass); both passes stop at the ``deadline`` (one batch of a large net takes seconds)."""
     bounds = dict(known) if known is not None else intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
-    return output_pass(graph, spec, boxes, bounds, deadline), bounds
+    rows = spec.rows(boxes.lower.shape[0])
+    return backward_bound(graph, graph.output.name, rows, boxes, bounds, deadline=deadline), bounds
 
 
 def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
     """Each row's lower linear bound ``A x + c`` over the boxes: ``A [S, N, d]``, ``c [S, N]`` (float64)."""
-    A = out.input_A.flatten(2).double()
+    A = flat(out.input_A, 2).double()
     minimum = torch.where(A >= 0, A * boxes.lower.double(), A * boxes.upper.double()).sum(-1)
     return A, out.lower.double() - minimum
 
@@ -208,7 +205,7 @@ def _trial_scores(
         bounds = forward_bounds(graph, interval, deadline=deadline)
         rows = spec.rows(len(chunk))
         lower.append(backward_bound(graph, graph.output.name, rows, interval, bounds, deadline=deadline).lower)
-    value = spec.value(torch.cat(lower, 1).T - spec.rhs).clamp(max=0).double().view(2, len(dims), n).sum(0)
+    value = spec.value(spec.margins(torch.cat(lower, 1))).clamp(max=0).double().view(2, len(dims), n).sum(0)
     scores = torch.full((n, d), -torch.inf, dtype=torch.float64, device=value.device)
     scores[:, dims] = value.T
     return scores
@@ -276,7 +273,7 @@ def input_split(
     by splitting the box (see the module docs), starting from the root box's ``known_root`` bounds where given. Every
     pass of the search stops at the ``deadline``: the answer is then ``timeout``."""
     shape = graph.input.shape
-    root = _Boxes(box.lower.flatten(1), box.upper.flatten(1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
+    root = _Boxes(flat(box.lower, 1), flat(box.upper, 1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
     searches = [_Search(root, branching) for branching in config.input_branching]
     free_dims = int(free_coordinates(box).sum())
@@ -317,9 +314,9 @@ def input_split(
                         del recent[next(iter(recent))]
                 else:
                     out, bounds = shared
-                margins = spec_margins(spec, out.lower)  # [N, S]
+                margins = spec.margins(out.lower)  # [N, S]
                 corners = out.minimiser(interval).flatten(0, 1)
-                cex = counterexample_among(graph, spec, torch.cat([interval.center, corners]))
+                cex = first_counterexample(graph, spec, torch.cat([interval.center, corners]))
             if paced:
                 search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
@@ -395,7 +392,7 @@ def _branch(
         return None
     A, c = _planes(out, boxes)
     boxes, margins, A, c = boxes.take(open_), margins[open_], A[:, open_], c[:, open_]
-    boxes, keep = _clip(boxes, A, c, spec.exact[1])
+    boxes, keep = _clip(boxes, A, c, spec.exact[1] + spec.row_slack)
     boxes, margins, A = boxes.take(keep), margins[keep], A[:, keep]
     wide = (boxes.upper - boxes.lower).double() > min_width
     splittable = wide.any(1)

@@ -30,10 +30,9 @@ from lightning_fedshard.verify.bab.branching import choose_branches
 from lightning_fedshard.verify.bab.domains import DomainBatch, DomainPool
 from lightning_fedshard.verify.bounds.alpha import AlphaResult
 from lightning_fedshard.verify.bounds.beta import beta_crown
-from lightning_fedshard.verify.bounds.recheck import confirm
 from lightning_fedshard.verify.config import Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec
+from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import collective_device, lockstep, past
 
@@ -63,10 +62,7 @@ def _primal_counterexample(graph: BoundGraph, spec: OutputSpec, corners: Tensor,
     order = order[margins.T.flatten()[order] <= 0]
     if not order.numel():
         return None
-    points = corners.flatten(0, 1)[order]
-    value = spec.point_value(graph(points))
-    hit = (value <= 0).nonzero()
-    return points[hit[0, 0]] if hit.numel() else None
+    return first_counterexample(graph, spec, corners.flatten(0, 1)[order])
 
 
 def _settle(
@@ -94,11 +90,10 @@ def _settle(
         10 * config.beta_iterations,
         config.beta_lr_alpha,
         10 * config.beta_lr_beta,
-        stop_above=spec.rhs.view(-1, 1).expand(-1, n),
+        stop_above=spec.threshold.view(-1, 1).expand(-1, n),
         deadline=deadline,
     )
-    margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
-    margins = confirm(graph, spec, box, domains.bounds(), margins, domains.alphas, domains.beta_terms())
+    margins = torch.fmax(spec.margins(result.lower), domains.margins)
     return bool((spec.value(margins) > 0).all())
 
 
@@ -154,6 +149,9 @@ def branch_and_bound(
     start = DomainBatch.at_root(graph, spec, root)
     with torch.no_grad():
         first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=kept_names, deadline=deadline)
+        if not graph.split_nodes:  # nothing to branch on: the root's bound is final, its corner the last candidate
+            cex = _primal_counterexample(graph, spec, first.minimiser(box), start.margins)
+            return BabOutcome(Verdict.UNKNOWN if cex is None else Verdict.SAT, cex, 1, 0, 1)
     if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates, deadline).all():
         return BabOutcome(Verdict.UNKNOWN, None, 0, 0, 1)
     parallel = _DomainParallel(domain_group) if domain_group is not None else None
@@ -234,16 +232,12 @@ def _round(
         config.beta_iterations,
         config.beta_lr_alpha,
         config.beta_lr_beta,
-        stop_above=spec.rhs.view(-1, 1).expand(-1, n),
+        stop_above=spec.threshold.view(-1, 1).expand(-1, n),
         deadline=deadline,
         keep=kept_names,
     )
     # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
-    children.margins = torch.fmax(result.lower.T - spec.rhs, children.margins)  # a NaN bound keeps the parent's
-    # Every row claimed proven counts only as far as float64 confirms it.
-    children.margins = confirm(
-        graph, spec, box, children.bounds(), children.margins, children.alphas, children.beta_terms()
-    )
+    children.margins = torch.fmax(spec.margins(result.lower), children.margins)  # a NaN bound keeps the parent's
     depth = int(children.depth.max())
     corners = result.minimiser(box)
     cex = _primal_counterexample(graph, spec, corners, children.margins)

@@ -17,12 +17,11 @@ from torch import Tensor
 from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.alpha import initial_alphas
 from lightning_fedshard.verify.bounds.beta import beta_crown
-from lightning_fedshard.verify.bounds.recheck import confirm
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.objective import OutputSpec
-from lightning_fedshard.verify.ops import Interval, ReLU
+from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
+from lightning_fedshard.verify.ops import Interval, ReLU, flat
 
-__all__ = ["PIECES_MAX_UNSTABLE", "counterexample_among", "pieces_apply", "prove_by_pieces"]
+__all__ = ["PIECES_MAX_UNSTABLE", "pieces_apply", "prove_by_pieces"]
 
 #: Boxes with at most this many unstable ReLUs are tried piece by piece (2^u pieces each).
 PIECES_MAX_UNSTABLE = 4
@@ -35,13 +34,6 @@ def pieces_apply(graph: BoundGraph) -> bool:
     return bool(graph.nonlinear) and all(isinstance(node.op, ReLU) for node in graph.nonlinear)
 
 
-def counterexample_among(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> Tensor | None:
-    """The first of ``points [P, *input shape]`` that the network maps into the unsafe set, or ``None``."""
-    value = spec.point_value(graph(points))
-    hit = (value <= 0).nonzero()
-    return points[hit[0, 0]] if hit.numel() else None
-
-
 def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -> tuple[DomainBatch, Tensor]:
     """Every combination of phases of the domains' unstable ReLUs, as domains (``owner``: their box)."""
     pres = graph.split_nodes  # every one a ReLU's input (pieces_apply)
@@ -51,7 +43,7 @@ def _split_every_phase(graph: BoundGraph, domains: DomainBatch, owner: Tensor) -
         neuron = torch.zeros(len(domains), dtype=torch.long, device=domains.device)
         for index, pre in enumerate(pres):
             bounds = Interval(domains.lower[pre], domains.upper[pre])
-            free = ReLU.unstable(bounds).flatten(1) & (domains.splits[pre].flatten(1) == 0)
+            free = flat(ReLU.unstable(bounds), 1) & (flat(domains.splits[pre], 1) == 0)
             first = free.any(1) & (layer < 0)
             layer = torch.where(first, index, layer)
             neuron = torch.where(first, free.to(torch.int8).argmax(1), neuron)
@@ -88,15 +80,15 @@ def prove_by_pieces(
     cex = None
     for _ in range(_ROUNDS):
         pieces = Interval(boxes.lower[owner], boxes.upper[owner])
-        stop = spec.rhs.view(-1, 1).expand(-1, len(domains))
+        stop = spec.threshold.view(-1, 1).expand(-1, len(domains))
         result = beta_crown(
             graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop, deadline=deadline
         )
-        margins = torch.fmax(result.lower.T - spec.rhs, domains.margins)
-        domains.margins = confirm(graph, spec, pieces, domains.bounds(), margins, domains.alphas, domains.beta_terms())
+        margins = torch.fmax(spec.margins(result.lower), domains.margins)
+        domains.margins = margins
         open_ = (~(spec.value(domains.margins) > 0)).nonzero().flatten()  # NaN is open
         corners = result.minimiser(pieces)[:, open_].flatten(0, 1)
-        cex = counterexample_among(graph, spec, corners) if corners.numel() else None
+        cex = first_counterexample(graph, spec, corners) if corners.numel() else None
         domains, owner = domains.take(open_), owner[open_]
         if not len(domains) or cex is not None:
             break

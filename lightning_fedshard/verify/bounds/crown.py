@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.bounds.forward import ForwardPass
+from lightning_fedshard.verify.floats import round_down, unit_roundoff
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract
+from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract, contract_abs, flat
 from lightning_fedshard.verify.shard.lockstep import check_deadline, check_deadline_between_steps
 from lightning_fedshard.verify.shard.rows import RowPartition
 
@@ -88,7 +89,7 @@ def backward_bound(
         return known[name]
 
     pending = {start: C}
-    bias: Tensor | int = 0
+    bias: Tensor | float = 0.0  # float64: the constants of the steps, their rounding charged (see ops.base)
     kept: dict[str, Tensor] = {}
     input_A = None
     for node in reversed(graph.ancestors(start)):
@@ -96,11 +97,13 @@ def backward_bound(
         if A is None:
             continue
         check_deadline_between_steps(deadline)
+        unit = unit_roundoff(A.dtype if isinstance(A, Tensor) else A.values.dtype)
         if betas is not None and node.name in betas:
             signed, point = betas[node.name]
-            A = A - signed
+            A = A - signed  # rounded: relative u of the result, on values up to |z|
+            bias = bias - contract_abs(A, 2 * unit * interval(node.name).magnitude)
             if point is not None:
-                bias = bias + contract(signed, point)
+                bias = bias + contract(signed, point) - contract_abs(signed, 2 * unit * point.abs())
         if node.name in keep:
             kept[node.name] = A
         if node.op is None:
@@ -116,13 +119,23 @@ def backward_bound(
         if term is not None:
             bias = bias + term
         for name, A_in in zip(node.inputs, A_inputs, strict=True):
-            if A_in is not None:
+            if A_in is None:
+                continue
+            if name in pending:  # a node read by several consumers: their coefficients' sum rounds
                 # Patches + dense (branches that met a dense-only op on one side) is dense.
-                pending[name] = pending[name] + A_in if name in pending else A_in
+                A_in = pending[name] + A_in
+                bias = bias - contract_abs(A_in, 2 * unit * interval(name).magnitude)
+            pending[name] = A_in
     rows = C.values if isinstance(C, Patches) else C
-    lower = torch.zeros(rows.shape[:2], dtype=rows.dtype, device=rows.device) + bias
+    lower = torch.zeros(rows.shape[:2], dtype=torch.float64, device=rows.device) + bias
     if input_A is not None:
-        lower = lower + contract(input_A, box.center) - contract(input_A.abs(), box.radius)
+        # The linear bound's minimum over the box, Σ A·mid − |A|·rad, with a radius that covers the box around the
+        # rounded midpoint; both sums in float64, their products' rounding (half an ulp each) charged.
+        mid = box.center
+        rad = box.radius_around(mid)
+        products = contract_abs(input_A, 2 * unit_roundoff(mid.dtype) * (mid.abs() + rad))
+        lower = lower + contract(input_A, mid) - contract(input_A.abs(), rad) - products
+    lower = round_down(lower, rows.dtype)
     return Backward(lower, input_A, kept)
 
 
@@ -145,12 +158,12 @@ def spec_lower(
 
 def unstable_count(graph: BoundGraph, bounds: Mapping[str, Interval]) -> Tensor:
     """Unstable ReLUs per batch element ``[B]`` under the pre-activation ``bounds [B, *shape]``."""
-    return sum(ReLU.unstable(bounds[pre]).flatten(1).sum(1) for pre in graph.pre_activation.values())
+    return sum(flat(ReLU.unstable(bounds[pre]), 1).sum(1) for pre in graph.pre_activation.values())
 
 
 def open_neurons(graph: BoundGraph, bounds: Mapping[str, Interval]) -> Tensor:
     """Neurons branch-and-bound could still split, per batch element ``[B]`` (for ReLU: the unstable ones)."""
-    counts = [graph.split_mask(name, bounds).flatten(1).sum(1) for name in graph.split_nodes]
+    counts = [flat(graph.split_mask(name, bounds), 1).sum(1) for name in graph.split_nodes]
     return sum(counts) if counts else torch.zeros(bounds[graph.input.name].lower.shape[0], dtype=torch.long)
 
 
@@ -169,7 +182,7 @@ def _refine(current: Interval, index: Tensor, lower: Tensor, upper: Tensor, inte
     """``current`` with the neurons at flat ``index`` replaced by (or intersected with) ``[lower, upper]``
     (each ``[B, U]``)."""
     shape = current.lower.shape
-    lo, hi = current.lower.flatten(1).clone(), current.upper.flatten(1).clone()
+    lo, hi = flat(current.lower, 1).clone(), flat(current.upper, 1).clone()
     lo[:, index] = torch.maximum(lo[:, index], lower) if intersect else lower
     hi[:, index] = torch.minimum(hi[:, index], upper) if intersect else upper
     return Interval(lo.view(shape), hi.view(shape))
@@ -240,10 +253,10 @@ def intermediate_bounds(
             if rows is not None and node.name in rows:
                 index = rows[node.name]
             elif graph.crown_targets[node.name]:  # a source of larger copies: all of it
-                index = (interval.upper > interval.lower).flatten(1).any(0).nonzero().flatten()
+                index = flat((interval.upper > interval.lower), 1).any(0).nonzero().flatten()
             else:
                 mask = graph.refine_mask(node.name, {**bounds, node.name: interval})
-                index = mask.flatten(1).any(0).nonzero().flatten()
+                index = flat(mask, 1).any(0).nonzero().flatten()
             if used_rows is not None:
                 used_rows[node.name] = index
             if index.numel():

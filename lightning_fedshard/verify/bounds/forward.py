@@ -20,16 +20,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.floats import gamma, round_down, round_up, unit_roundoff
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.objective import free_coordinates
-from lightning_fedshard.verify.ops import Activation, Add, Concat, Interval, LinearOp
+from lightning_fedshard.verify.ops import Activation, Add, Concat, Interval, LinearOp, flat
 from lightning_fedshard.verify.shard.lockstep import check_deadline_between_steps
 
 __all__ = ["ForwardPass", "LinearFunctions", "forward_bounds", "forward_bytes_per_box"]
 
 #: Copies of the largest node's functions alive at once while it is built: its inputs' functions, the centre and
-#: radius of their image, the result, and the products of concretising it.
-_LIVE_COPIES = 6
+#: radius of their image, the result, the products of concretising it, and the copy its rounding widens.
+_LIVE_COPIES = 7
 
 
 @dataclass(frozen=True)
@@ -74,37 +75,83 @@ class LinearFunctions:
 
     def concretize(self, box: Interval) -> Interval:
         """The range of the functions over the coordinates' ``box`` ``[B, d]``: ``min lower``, ``max upper`` per
-        element."""
+        element, each a sum of ``d + 1`` products accumulated in float64 and rounded outwards (the products'
+        rounding charged, relative ``u`` each)."""
         batch = box.lower.shape[0]
-        center, radius = box.center.reshape(batch, -1, 1), box.radius.reshape(batch, -1, 1)
+        center = box.center
+        radius = box.radius_around(center)
+        center, radius = center.reshape(batch, -1, 1), radius.reshape(batch, -1, 1)
         d = center.shape[1]
         shape = self.lower.shape[2:]
+        u = unit_roundoff(self.lower.dtype)
 
         def extreme(functions: Tensor, sign: float) -> Tensor:
-            coefficients, constant = functions[:, :d].flatten(2), functions[:, d].flatten(1)
-            value = (coefficients * center).sum(1) + sign * (coefficients.abs() * radius).sum(1) + constant
-            return value.view(batch, *shape)
+            coefficients, constant = flat(functions[:, :d], 2), flat(functions[:, d], 1)
+            value = (coefficients * center).sum(1, dtype=torch.float64) + constant.double()
+            spread = (coefficients.abs() * (radius + 2 * u * center.abs())).sum(1, dtype=torch.float64)
+            value = value + sign * spread * (1 + 2 * gamma(d + 1, self.lower.dtype))
+            return (round_up(value, self.lower.dtype) if sign > 0 else round_down(value, self.lower.dtype)).view(
+                batch, *shape
+            )
 
         return Interval(extreme(self.lower, -1.0), extreme(self.upper, 1.0))
 
+    def magnitude(self, box: Interval) -> Tensor:
+        """``[B, *shape]``: an upper bound over the coordinates' ``box`` of ``Σ_i (|lower_i| + |upper_i|)·|z_i|`` plus
+        the constants' magnitudes — what the rounding of arithmetic on the functions' coefficients scales with
+        (it also bounds the values between them)."""
+        batch = box.lower.shape[0]
+        reach = torch.maximum(box.lower.abs(), box.upper.abs()).reshape(batch, -1, 1)
+        d = reach.shape[1]
+        both = self.lower.abs() + self.upper.abs()
+        total = (flat(both[:, :d], 2) * reach).sum(1) + flat(both[:, d], 1)
+        return (total * (1 + 2 * gamma(d + 2, total.dtype))).view(batch, *self.lower.shape[2:])
 
-def _through_linear(op: LinearOp, functions: LinearFunctions, out_shape: tuple[int, ...]) -> LinearFunctions:
+    def widened(self, error: Tensor | float) -> LinearFunctions:
+        """These functions moved apart by ``error`` (per element) in their constants, rounded outwards."""
+        lower, upper = self.lower.clone(), self.upper.clone()
+        lower[:, -1] = round_down(self.lower[:, -1].double() - error, lower.dtype)
+        upper[:, -1] = round_up(self.upper[:, -1].double() + error, upper.dtype)
+        return LinearFunctions(lower, upper)
+
+
+def _through_linear(
+    op: LinearOp, functions: LinearFunctions, out_shape: tuple[int, ...], coordinates: Interval
+) -> LinearFunctions:
+    """``L(mid) ± |L|(rad) + c`` of the functions' midpoint and radius, moved apart by the op's rounding on values up
+    to their magnitude (the rounding of halving the functions is half an ulp of it at most). Copies map each
+    function as it is: exactly."""
     batch, rows = functions.lower.shape[:2]
     flat = (batch * rows, *functions.lower.shape[2:])
-    mid = op.linear(((functions.lower + functions.upper) / 2).reshape(flat))
-    rad = op.abs_linear(((functions.upper - functions.lower) / 2).reshape(flat))
-    mid = mid.expand(batch * rows, *out_shape).reshape(batch, rows, *out_shape)
-    rad = rad.expand(batch * rows, *out_shape).reshape(batch, rows, *out_shape)
+
+    def mapped(function: Tensor, linear) -> Tensor:
+        return linear(function.reshape(flat)).expand(batch * rows, *out_shape).reshape(batch, rows, *out_shape)
+
     constant = op.constant()
+    if op.terms()[0] == 0:
+        lower, upper = mapped(functions.lower, op.linear), mapped(functions.upper, op.linear)
+        if constant is not None:  # a padding constant lands on zeros
+            lower, upper = lower.clone(), upper.clone()
+            lower[:, -1] += constant
+            upper[:, -1] += constant
+        return LinearFunctions(lower, upper)
+    magnitude = functions.magnitude(coordinates)
+    mid = mapped((functions.lower + functions.upper) / 2, op.linear)
+    rad = mapped((functions.upper - functions.lower) / 2, op.abs_linear)
     if constant is not None:
         mid = mid.clone()
         mid[:, -1] += constant
-    return LinearFunctions(mid - rad, mid + rad)
+    error = op.map_rounding([Interval(-magnitude, magnitude)])
+    halving = op.abs_linear(2 * unit_roundoff(magnitude.dtype) * magnitude)  # mid's and rad's roundings, through |L|
+    return LinearFunctions(mid - rad, mid + rad).widened(error.double() + halving.double())
 
 
-def _through_activation(op: Activation, functions: LinearFunctions, pre: Interval) -> LinearFunctions:
+def _through_activation(
+    op: Activation, functions: LinearFunctions, pre: Interval, coordinates: Interval
+) -> LinearFunctions:
     """``a_L·z + b_L ≤ f(z) ≤ a_U·z + b_U`` with ``z`` between its two functions: each line takes the function on
-    the side its slope's sign asks for."""
+    the side its slope's sign asks for; the products with the slopes round by ``u·|slope|`` of the functions'
+    magnitude, and the op's own rounding (the model's, the intercepts') is charged as in a backward step."""
     lines = op.relax(pre)
 
     def line(slope: Tensor, bias: Tensor | None, toward: Tensor, away: Tensor) -> Tensor:
@@ -115,10 +162,13 @@ def _through_activation(op: Activation, functions: LinearFunctions, pre: Interva
             out[:, -1] += bias
         return out
 
-    return LinearFunctions(
+    out = LinearFunctions(
         line(lines.lower_slope, lines.lower_bias, functions.lower, functions.upper),
         line(lines.upper_slope, lines.upper_bias, functions.upper, functions.lower),
     )
+    steepest = torch.maximum(lines.lower_slope.abs(), lines.upper_slope.abs()).double()
+    products = 2 * unit_roundoff(pre.lower.dtype) * steepest * functions.magnitude(coordinates).double()
+    return out.widened(op.line_rounding(lines, pre).double() + products)
 
 
 def _through_concat(op: Concat, sources: list[LinearFunctions], d: int) -> LinearFunctions:
@@ -184,16 +234,23 @@ class ForwardPass:
         """The functions of ``node`` from its inputs' (``None``: the op has no forward rule)."""
         op, sources = node.op, [self.functions[name] for name in node.inputs]
         if isinstance(op, LinearOp):
-            return _through_linear(op, sources[0], node.shape)
+            return _through_linear(op, sources[0], node.shape, self.coordinates)
         if isinstance(op, Add):
             a, b = sources
-            if op.subtract:
-                return LinearFunctions(a.lower - b.upper, a.upper - b.lower)
-            return LinearFunctions(a.lower + b.lower, a.upper + b.upper)
+            out = (
+                LinearFunctions(a.lower - b.upper, a.upper - b.lower)
+                if op.subtract
+                else LinearFunctions(a.lower + b.lower, a.upper + b.upper)
+            )
+            # Each coefficient's sum rounds (half an ulp), and so does the model's sum of the values.
+            magnitude = a.magnitude(self.coordinates).double() + b.magnitude(self.coordinates).double()
+            return out.widened(
+                2 * unit_roundoff(a.lower.dtype) * magnitude + op.rounding([bounds[n] for n in node.inputs])
+            )
         if isinstance(op, Concat):
             return _through_concat(op, sources, self.d)
         if isinstance(op, Activation):
-            return _through_activation(op, sources[0], bounds[node.inputs[0]])
+            return _through_activation(op, sources[0], bounds[node.inputs[0]], self.coordinates)
         return None
 
 

@@ -181,16 +181,33 @@ def supports_programs(graph: BoundGraph) -> bool:
     return all(isinstance(node.op, _PROGRAM_OPS) for node in graph.nodes[1:])
 
 
+def _device(op: LinearOp) -> torch.device:
+    return next((t.device for t in vars(op).values() if isinstance(t, Tensor)), torch.device("cpu"))
+
+
+def _flat(rounding: Tensor | None, shape: tuple[int, ...]) -> np.ndarray | float:
+    """A rounding bound broadcast to ``shape`` as a flat float64 array (0 for an exact op)."""
+    if rounding is None:
+        return 0.0
+    return rounding.detach().double().expand(1, *shape).reshape(-1).cpu().numpy()
+
+
 @dataclass
 class _Affine:
-    """A node's value as ``Σ_b blocks[b] @ columns(b) + constant``: ``blocks`` maps a column offset to a dense
-    ``[size, width]`` matrix over the consecutive columns starting there."""
+    """A node's value as ``Σ_b blocks[b] @ columns(b) + constant ± error``: ``blocks`` maps a column offset to a
+    dense ``[size, width]`` matrix over the consecutive columns starting there; ``error`` bounds, per element, how far
+    the model's value (rounded by every op of the chain, :meth:`BoundOp.rounding`) is from the expression."""
 
     blocks: dict[int, np.ndarray]
     constant: np.ndarray
+    error: np.ndarray
 
-    def through(self, op: LinearOp, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> _Affine:
-        """This expression mapped by ``op``, composed in float64 (the weights are exact in it)."""
+    def through(
+        self, op: LinearOp, in_shape: tuple[int, ...], out_shape: tuple[int, ...], interval: Interval
+    ) -> _Affine:
+        """This expression mapped by ``op`` (whose input lies in ``interval``), composed in float64 (the weights are
+        exact in it): the error so far goes through ``|L|``, and the op adds its own rounding."""
+        rounding = op.rounding([interval.to(_device(op))])
         op = copy.copy(op).to(torch.float64, "cpu")  # the programs are written on the CPU, for HiGHS
 
         def apply(matrix: np.ndarray) -> np.ndarray:  # [in, width] -> [out, width]: op.linear on each column
@@ -200,16 +217,20 @@ class _Affine:
 
         blocks = {start: apply(matrix) for start, matrix in self.blocks.items()}
         constant = op.forward(torch.from_numpy(self.constant).reshape(1, *in_shape)).reshape(-1).numpy()
-        return _Affine(blocks, constant)
+        carried = op.abs_linear(torch.from_numpy(self.error).reshape(1, *in_shape)).expand(1, *out_shape)
+        error = carried.reshape(-1).numpy() + _flat(rounding, out_shape)
+        return _Affine(blocks, constant, error * (1 + 1e-12))
 
-    def plus(self, other: _Affine, sign: float) -> _Affine:
+    def plus(self, other: _Affine, sign: float, rounding: np.ndarray | float) -> _Affine:
+        """This expression plus ``sign`` times ``other``, and the model's ``rounding`` of the sum."""
         blocks = dict(self.blocks)
         for start, matrix in other.blocks.items():
             blocks[start] = blocks[start] + sign * matrix if start in blocks else sign * matrix
-        return _Affine(blocks, self.constant + sign * other.constant)
+        error = (self.error + other.error + rounding) * (1 + 1e-12)
+        return _Affine(blocks, self.constant + sign * other.constant, error)
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """Column indices, coefficients (non-zero only) and constant of element ``index``."""
+        """Column indices, coefficients (non-zero only) and constant of element ``index`` (its error apart)."""
         indices, values = [], []
         for start, matrix in self.blocks.items():
             coefficients = matrix[index]
@@ -258,14 +279,17 @@ class NetworkProgram:
             width += lo.size
             return start
 
-        affine = {graph.input.name: _Affine({0: np.eye(width)}, np.zeros(width))}
+        affine = {graph.input.name: _Affine({0: np.eye(width)}, np.zeros(width), np.zeros(width))}
+        intervals = graph.complete_bounds(box, bounds, target)
         for node in graph.ancestors(target)[1:]:
             sources = [affine[name] for name in node.inputs]
             if isinstance(node.op, LinearOp):
                 in_shape = graph.by_name[node.inputs[0]].shape
-                affine[node.name] = sources[0].through(node.op, in_shape, node.shape)
+                affine[node.name] = sources[0].through(node.op, in_shape, node.shape, intervals[node.inputs[0]])
             elif isinstance(node.op, Add):
-                affine[node.name] = sources[0].plus(sources[1], -1.0 if node.op.subtract else 1.0)
+                rounding = node.op.rounding([intervals[name] for name in node.inputs])
+                sign = -1.0 if node.op.subtract else 1.0
+                affine[node.name] = sources[0].plus(sources[1], sign, _flat(rounding, node.shape))
             elif isinstance(node.op, ReLU):
                 pre = bounds[node.inputs[0]]
                 l, u = pre.lower.double().flatten().numpy(), pre.upper.double().flatten().numpy()
@@ -280,9 +304,13 @@ class NetworkProgram:
         value as an affine expression over them (``z`` where active, 0 where inactive, ``a`` where unstable)."""
         n = l.size
         z = new_columns(l.copy(), u.copy())
-        for j in range(n):  # z_j − expr_j = constant_j
+        for j in range(n):  # z_j − expr_j = constant_j, up to the model's rounding
             index, value, constant = pre.row(j)
-            rows.append((constant, constant, np.append(index, z + j).astype(np.int32), np.append(-value, 1.0)))
+            low, high = (
+                math.nextafter(constant - pre.error[j], -math.inf),
+                math.nextafter(constant + pre.error[j], math.inf),
+            )
+            rows.append((low, high, np.append(index, z + j).astype(np.int32), np.append(-value, 1.0)))
         unstable = np.flatnonzero((l < 0) & (u > 0))
         active = np.flatnonzero(l >= 0)
         out = np.zeros((n, n))
@@ -314,7 +342,7 @@ class NetworkProgram:
             selector = np.zeros((n, unstable.size))
             selector[unstable, np.arange(unstable.size)] = 1.0
             blocks[a] = selector
-        return _Affine(blocks, np.zeros(n))
+        return _Affine(blocks, np.zeros(n), np.zeros(n))  # the ReLU is exact; z bounds the model's value
 
     @functools.cached_property
     def constraints(self) -> Constraints:
@@ -350,7 +378,8 @@ class NetworkProgram:
             minimum = self._node(h, cost, self.lower, self.upper, deadline)[0]
         if not math.isfinite(minimum):
             return None
-        return math.nextafter(constant - sense * minimum, sense * math.inf)
+        # The model's value of the target is within its error of the expression the program minimised.
+        return math.nextafter(constant - sense * minimum + sense * float(self.target.error[neuron]), sense * math.inf)
 
     def _node(
         self, h: highspy.Highs, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray, deadline: float

@@ -8,8 +8,9 @@ planes (:class:`Mul`), maxima over windows (:class:`WindowMax`) and softmax as i
 
 from lightning_fedshard.verify.ops.activation import Activation, Lines
 from lightning_fedshard.verify.ops.add import Add
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract, contract_abs, enclose, flat
 from lightning_fedshard.verify.ops.bilinear import Mul
+from lightning_fedshard.verify.ops.cast import RoundToFloat
 from lightning_fedshard.verify.ops.conv import Conv2d, ConvTranspose2d
 from lightning_fedshard.verify.ops.elementwise import BatchNorm, ElementwiseAffine
 from lightning_fedshard.verify.ops.linear import LeftLinear, Linear
@@ -30,7 +31,7 @@ from lightning_fedshard.verify.ops.smooth import (
     Tanh,
 )
 from lightning_fedshard.verify.ops.softmax import Softmax
-from lightning_fedshard.verify.ops.steps import Floor, Sign
+from lightning_fedshard.verify.ops.steps import Ceil, Floor, Round, Sign, Staircase
 from lightning_fedshard.verify.ops.structural import Concat, Reduce, Select, Transpose
 from lightning_fedshard.verify.ops.window_max import WindowMax
 
@@ -40,6 +41,7 @@ __all__ = [
     "AvgPool2d",
     "BatchNorm",
     "BoundOp",
+    "Ceil",
     "Clip",
     "Concat",
     "Conv2d",
@@ -63,6 +65,8 @@ __all__ = [
     "Reciprocal",
     "Reduce",
     "Reshape",
+    "Round",
+    "RoundToFloat",
     "Select",
     "Sigmoid",
     "Sign",
@@ -70,8 +74,12 @@ __all__ = [
     "SmoothActivation",
     "Softmax",
     "Sqrt",
+    "Staircase",
     "Tanh",
     "Transpose",
     "WindowMax",
     "contract",
+    "contract_abs",
+    "enclose",
+    "flat",
 ]

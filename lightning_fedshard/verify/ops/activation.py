@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import HUGE, round_down, round_up
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract
+from lightning_fedshard.verify.floats import FLOAT64_EPSILON, HUGE, round_down, round_up, smallest_normal, unit_roundoff
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract, contract_abs, enclose, flat
 from lightning_fedshard.verify.ops.patches import Patches
 
 __all__ = ["Activation", "Lines", "bias_term", "float64_interval"]
@@ -82,7 +82,7 @@ def bias_term(A: Tensor | Patches, bias: Tensor) -> Tensor:
     dense = A.to_dense() if isinstance(A, Patches) else A
     infinite = ~torch.isfinite(bias)
     term = contract(dense, torch.where(infinite, 0, bias))
-    touched = ((dense != 0) & infinite).flatten(2).any(-1)
+    touched = flat(((dense != 0) & infinite), 2).any(-1)
     return torch.where(touched, -torch.inf, term)
 
 
@@ -128,6 +128,11 @@ class Activation(BoundOp):
     exact_when_split: bool = False
     #: Branch-and-bound stops splitting a neuron whose interval is narrower than this (GenBaB's ``split_min_gap``).
     split_min_width: float = 1e-3
+    #: How far the model's value of ``f`` may be from the exact one: ``relative_ulps·u·|f| + absolute_ulps·u`` (``u``
+    #: the model precision's unit roundoff). Library functions: a few times the largest error measured on
+    #: onnxruntime's CPU kernels (``docs/verification.md``, "Floating point"); exact functions (ReLU, Floor): 0.
+    relative_ulps: float = 0.0
+    absolute_ulps: float = 0.0
 
     @abstractmethod
     def offset(self, slope: Tensor, lower: Tensor, upper: Tensor, maximum: bool) -> Tensor:
@@ -227,26 +232,70 @@ class Activation(BoundOp):
 
     # -- the BoundOp contract ----------------------------------------------------------------------------------
 
-    def ibp(self, x: Interval) -> Interval:
+    def _range(self, x: Interval) -> tuple[Tensor, Tensor]:
+        """The exact range of ``f`` over the interval in float64, moved outwards past float64's own rounding
+        (``±inf`` where unbounded)."""
         lower, upper, unbounded = float64_interval(x)
         zero = torch.zeros_like(lower)
         low = self.offset(zero, lower, upper, maximum=False)
         high = self.offset(zero, lower, upper, maximum=True)
         low = torch.where(unbounded, -torch.inf, low - _FLOAT64_SLACK * (1 + low.abs()))
         high = torch.where(unbounded, torch.inf, high + _FLOAT64_SLACK * (1 + high.abs()))
-        return Interval(round_down(low, x.lower.dtype), round_up(high, x.lower.dtype))
+        return low, high
+
+    def _model_error(self, value: Tensor, dtype: torch.dtype) -> Tensor | float:
+        """The model's rounding of ``f`` where its exact value is ``value`` (float64), or at most ``|value|``."""
+        if not (self.relative_ulps or self.absolute_ulps):
+            return 0.0
+        model = self.model_precision(dtype)
+        u = unit_roundoff(model)
+        return self.relative_ulps * u * value.abs() + self.absolute_ulps * u + smallest_normal(model)
+
+    def ibp(self, x: Interval) -> Interval:
+        # The model's value is within its rounding of f(x), which moves monotonically with f(x): each end widens by
+        # the rounding at that end.
+        low, high = self._range(x)
+        dtype = x.lower.dtype
+        return enclose(
+            low - self._model_error(low, dtype), high + self._model_error(high, dtype), 0.0, dtype, self.precision
+        )
+
+    def rounding(self, inputs: Sequence[Interval | None]) -> Tensor:
+        (pre,) = inputs
+        return self.line_rounding(self.relax(pre), pre)
+
+    def line_rounding(self, lines: Lines, pre: Interval) -> Tensor:
+        """``[B, *shape]``: the model's rounding of ``f``, and that of a step through ``lines``: its products with the
+        slopes (relative ``u`` each, on values up to ``|slope|·|x|``) and with the intercepts. ``max |f|`` comes from
+        the lines at the interval's ends (``f`` lies between them); per-row lines (α) are charged their largest."""
+        with torch.no_grad():
+            ends = (pre.lower, pre.upper)
+            lower_bias = 0 if lines.lower_bias is None else lines.lower_bias
+            upper_bias = 0 if lines.upper_bias is None else lines.upper_bias
+            values = [
+                slope * x + bias
+                for slope, bias in ((lines.lower_slope, lower_bias), (lines.upper_slope, upper_bias))
+                for x in ends
+            ]
+            reach = torch.stack(torch.broadcast_tensors(*values)).abs().amax(0).double() * (1 + 2**-20)
+            steepest = (lines.lower_slope.abs() + lines.upper_slope.abs()).double()
+            intercepts = (torch.as_tensor(lower_bias).abs() + torch.as_tensor(upper_bias).abs()).double()
+            own = (2 * unit_roundoff(pre.lower.dtype) + FLOAT64_EPSILON) * (steepest * pre.magnitude + intercepts)
+            error = own + self._model_error(reach, pre.lower.dtype)
+            if error.dim() == pre.lower.dim():
+                return error
+            return error.amax(0) if error.shape[0] else error.new_zeros(error.shape[1:])  # a rank with no rows
 
     def backward(self, A, inputs, alpha=None):
         (pre,) = inputs
         lines = self.relax(pre, alpha)
         A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
         A_pre = A_pos * lines.lower_slope + A_neg * lines.upper_slope
-        bias = None
+        bias = -contract_abs(A, self.line_rounding(lines, pre))
         if lines.lower_bias is not None:
-            bias = bias_term(A_pos, lines.lower_bias)
+            bias = bias + bias_term(A_pos, lines.lower_bias)
         if lines.upper_bias is not None:
-            term = bias_term(A_neg, lines.upper_bias)
-            bias = term if bias is None else bias + term
+            bias = bias + bias_term(A_neg, lines.upper_bias)
         return [A_pre], bias
 
     # -- α, refinement and branching ---------------------------------------------------------------------------

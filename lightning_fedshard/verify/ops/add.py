@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
-from lightning_fedshard.verify.ops.base import BoundOp, Interval
+from lightning_fedshard.verify.floats import smallest_normal, unit_roundoff
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract_abs, enclose
 
 __all__ = ["Add"]
 
@@ -18,11 +21,12 @@ class Add(BoundOp):
     Example::
 
         residual = Add()
-        (A_a, A_b), _ = residual.backward(A, [None, None])
+        (A_a, A_b), bias = residual.backward(A, [Interval(al, au), Interval(bl, bu)])
     """
 
     onnx_types = ("Add", "Sub")
     accepts_patches = True
+    needs_input_bounds = True  # the model's sum rounds by up to half an ulp of |a ± b|
 
     def __init__(self, subtract: bool = False) -> None:
         self.subtract = subtract
@@ -32,11 +36,23 @@ class Add(BoundOp):
 
     def ibp(self, a: Interval, b: Interval) -> Interval:
         if self.subtract:
-            return Interval(a.lower - b.upper, a.upper - b.lower)
-        return Interval(a.lower + b.lower, a.upper + b.upper)
+            low, high = a.lower.double() - b.upper.double(), a.upper.double() - b.lower.double()
+        else:
+            low, high = a.lower.double() + b.lower.double(), a.upper.double() + b.upper.double()
+        # The model's sum is within half an ulp of the exact one: each end widens by that of its own value.
+        u, tiny = (
+            unit_roundoff(self.model_precision(a.lower.dtype)),
+            smallest_normal(self.model_precision(a.lower.dtype)),
+        )
+        return enclose(low - u * low.abs() - tiny, high + u * high.abs() + tiny, 0.0, a.lower.dtype, self.precision)
+
+    def rounding(self, inputs: Sequence[Interval | None]) -> Tensor:
+        a, b = inputs
+        model = self.model_precision(a.lower.dtype)
+        return unit_roundoff(model) * (a.magnitude.double() + b.magnitude.double()) + smallest_normal(model)
 
     def backward(self, A, inputs, alpha=None):
-        return [A, -A if self.subtract else A], None
+        return [A, -A if self.subtract else A], -contract_abs(A, self.rounding(inputs))
 
     def __repr__(self) -> str:
         return "Sub" if self.subtract else "Add"

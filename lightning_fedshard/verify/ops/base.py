@@ -6,10 +6,17 @@ without its leading batch dimension). Linear bounds are carried backwards as coe
 bound of ``c·y`` is minus the lower bound of ``-c·y``, so one propagation rule per operator serves both. Rows that
 are positions of a convolutional node may instead travel as :class:`~lightning_fedshard.verify.ops.patches.Patches`
 (their local windows) through the ops that declare ``accepts_patches``.
+
+Every bound holds in floating point (:mod:`~lightning_fedshard.verify.floats`): an op's intervals contain every
+value the *model* computes (onnxruntime, rounding included) for inputs in its input intervals, and its backward step
+gives coefficients and a constant whose linear bound holds exactly for those values, whatever the rounding of our
+own float32 arithmetic. Each op bounds both roundings per output element (:meth:`BoundOp.rounding`).
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +24,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.floats import (
+    FLOAT64_EPSILON,
+    gamma,
+    overflow,
+    round_down,
+    round_up,
+    smallest_normal,
+    unit_roundoff,
+)
 from lightning_fedshard.verify.ops.patches import Patches
 
-__all__ = ["BoundOp", "Interval", "LinearOp", "contract"]
+__all__ = ["BoundOp", "Interval", "LinearOp", "contract", "contract_abs", "enclose", "flat"]
+
+
+def flat(t: Tensor, start: int) -> Tensor:
+    """``t`` with its dimensions from ``start`` on as one: ``x [B, *shape]`` → ``[B, size]``, ``A [S, B, *shape]`` →
+    ``[S, B, size]``, a rank-0 node's ``[B]`` → ``[B, 1]`` (``Tensor.flatten`` rejects that one)."""
+    return t.reshape(*t.shape[:start], math.prod(t.shape[start:]))
 
 
 @dataclass(frozen=True)
@@ -29,7 +51,7 @@ class Interval:
     Example::
 
         box = Interval(torch.zeros(1, 784), torch.full((1, 784), 0.03))
-        box.center, box.radius
+        box.center, box.magnitude
     """
 
     lower: Tensor
@@ -37,11 +59,19 @@ class Interval:
 
     @property
     def center(self) -> Tensor:
+        """A point of the interval near its middle (rounded: not an exact centre, see :meth:`radius_around`)."""
         return (self.upper + self.lower) / 2
 
+    def radius_around(self, center: Tensor) -> Tensor:
+        """The smallest radius, rounded up, with ``[center − r, center + r] ⊇ [lower, upper]`` (the differences
+        of two float32 numbers are exact in float64)."""
+        lower, upper, middle = self.lower.double(), self.upper.double(), center.double()
+        return round_up(torch.maximum(upper - middle, middle - lower), self.lower.dtype)
+
     @property
-    def radius(self) -> Tensor:
-        return (self.upper - self.lower) / 2
+    def magnitude(self) -> Tensor:
+        """``max(|lower|, |upper|)``: a bound on ``|v|``, exact in the dtype."""
+        return torch.maximum(self.lower.abs(), self.upper.abs())
 
     def to(self, device: torch.device | str) -> Interval:
         """These bounds on ``device`` (tensors already there are not copied)."""
@@ -49,11 +79,46 @@ class Interval:
 
 
 def contract(A: Tensor | Patches, value: Tensor) -> Tensor:
-    """``Σ A·value`` over the node dimensions: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
-    broadcastable to ``[B, *shape]`` (or to ``shape``) gives ``[S, B]``."""
+    """``Σ A·value`` over the node dimensions in float64: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
+    broadcastable to ``[B, *shape]`` (or to ``shape``) gives ``[S, B]``. The products are rounded in ``A``'s dtype
+    (relative error ``u`` each), the sum is accumulated in float64: its error is at most ``(u + FLOAT64_EPSILON)·Σ
+    |A·value|``, which the op that forms the term charges in its :meth:`BoundOp.rounding`."""
     if isinstance(A, Patches):
         return A.contract(value)
-    return (A * value).flatten(2).sum(-1)
+    return flat(A * value, 2).sum(-1, dtype=torch.float64)
+
+
+def contract_abs(A: Tensor | Patches, weights: Tensor) -> Tensor:
+    """An upper bound (float64 ``[S, B]``) of ``Σ |A|·weights`` for non-negative ``weights`` broadcastable to
+    ``[B, *shape]``: a float32 matrix product, whose terms are all non-negative, so that its result is within
+    ``γ_N`` below the exact sum, and is scaled up by that. Differentiable (the concretisation's ``Σ |A|·radius``
+    is a term α-CROWN optimises)."""
+    if isinstance(A, Patches):
+        total, terms = A.abs().contract(weights), A.values[0, 0].numel()
+    else:
+        S, B, N = *A.shape[:2], math.prod(A.shape[2:])
+        flat = A.abs().reshape(S, B, N)
+        # An infinite weight (an unbounded input) must make the bound infinite, not 0·inf = NaN where A is 0.
+        weights = weights.to(A.dtype).nan_to_num(torch.finfo(A.dtype).max)
+        weights = weights.expand(B, *A.shape[2:]).reshape(B, N)
+        total, terms = torch.einsum("sbn,bn->sb", flat, weights).double(), flat.shape[-1]
+    return total * (1 + 2 * gamma(terms + 1, A.dtype if isinstance(A, Tensor) else A.values.dtype))
+
+
+def enclose(
+    lower: Tensor, upper: Tensor, error: Tensor | float, dtype: torch.dtype, precision: torch.dtype | None = None
+) -> Interval:
+    """``[lower − error, upper + error]`` (float64 arithmetic, then rounded outwards to ``dtype``): an interval
+    computed with a bounded ``error``. An end reaching past the overflow threshold of the model's ``precision`` is
+    ``±inf``: the model's value there may be an infinity."""
+    low, high = lower.double() - error, upper.double() + error
+    # ∞ − ∞ (an unbounded input through an affine map) bounds nothing: that end is unbounded.
+    low, high = torch.where(low.isnan(), -torch.inf, low), torch.where(high.isnan(), torch.inf, high)
+    if precision is not None and precision.itemsize < dtype.itemsize:
+        limit = overflow(precision)
+        low = torch.where(low <= -limit, -torch.inf, low)
+        high = torch.where(high >= limit, torch.inf, high)
+    return Interval(round_down(low, dtype), round_up(high, dtype))
 
 
 class BoundOp(ABC):
@@ -66,14 +131,15 @@ class BoundOp(ABC):
         op = Linear(weight, bias)
         y = op.forward(x)
         out = op.ibp(Interval(xl, xu))
-        (A_x,), bias = op.backward(A, [None])
+        (A_x,), bias = op.backward(A, [Interval(xl, xu)])
     """
 
     #: ONNX operator names this class is built from, for error messages and documentation.
     onnx_types: tuple[str, ...] = ()
     #: Whether :meth:`backward` takes :class:`Patches` coefficients; other ops are handed dense ones.
     accepts_patches: bool = False
-    #: Whether :meth:`backward` needs the intervals of its inputs (relaxations of non-linear ops do).
+    #: Whether :meth:`backward` needs the intervals of its inputs (relaxations of non-linear ops do, and so does
+    #: every op whose rounding grows with its inputs' magnitudes).
     needs_input_bounds: bool = False
     #: The inputs whose intervals the relaxation is built on: the graph tightens their bounds by CROWN before this
     #: op is crossed, and branch-and-bound keeps them per domain.
@@ -81,12 +147,16 @@ class BoundOp(ABC):
     #: The inputs branch-and-bound may split (a subset of ``relaxed_inputs``); such an op also provides
     #: ``split_mask``, ``split_point`` and ``branch_gain`` (see :class:`~.activation.Activation`).
     split_inputs: tuple[int, ...] = ()
+    #: The float type the model computes this node in (the ONNX type of its output, set by the loader), which its
+    #: rounding is charged in; ``None``: the dtype of the values it is applied to.
+    precision: torch.dtype | None = None
 
     @abstractmethod
     def forward(self, *inputs: Tensor) -> Tensor: ...
 
     @abstractmethod
-    def ibp(self, *inputs: Interval) -> Interval: ...
+    def ibp(self, *inputs: Interval) -> Interval:
+        """Bounds of every value the model computes for inputs in these intervals, rounding included."""
 
     @abstractmethod
     def backward(
@@ -95,10 +165,21 @@ class BoundOp(ABC):
         """Push a lower bound ``Σ A·out + c`` back to one in terms of the inputs.
 
         Returns one coefficient tensor per input (``None`` where the bound does not depend on it) and the
-        constant added on the way (``[S, B]``, or ``None`` for zero). ``inputs`` are the intervals of the
-        input nodes where the op needs them (non-linear ops), ``alpha`` its α-CROWN parameters
-        ``[S, B, *alpha_shape]`` (``None``: CROWN's choice).
+        constant added on the way (float64 ``[S, B]``, or ``None`` for zero), the rounding of the model and of
+        this step already charged to it. ``inputs`` are the intervals of the input nodes where the op needs them
+        (:attr:`needs_input_bounds`), ``alpha`` its α-CROWN parameters ``[S, B, *alpha_shape]`` (``None``:
+        CROWN's choice).
         """
+
+    def rounding(self, inputs: Sequence[Interval | None]) -> Tensor | None:
+        """``[B, *shape]`` (or broadcastable), per output element: a bound on the rounding error of the model's
+        value (onnxruntime's, against the exact operation on the same inputs) plus that of this op's own float
+        arithmetic in :meth:`ibp` and :meth:`backward` per unit of coefficient on the element. ``None``: exact."""
+        return None
+
+    def model_precision(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this node's model rounding is charged in: :attr:`precision`, else ``dtype``."""
+        return self.precision if self.precision is not None else dtype
 
     def alpha_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         """The shape of this op's α per (row, batch element) for an output of ``shape``; ``None``: no α."""
@@ -121,15 +202,50 @@ class BoundOp(ABC):
             if isinstance(value, Tensor) and value.device.type != "meta":  # a sharded-away placeholder stays
                 cast = dtype if dtype is not None and value.is_floating_point() else None
                 setattr(self, name, value.to(device=device, dtype=cast))
+        _MEMOS.pop(self, None)
         return self
 
     def __repr__(self) -> str:
         return type(self).__name__
 
 
+class _Memo:
+    """The last rounding bound an op computed, with the interval tensors it was computed from: a bound pass that
+    crosses an op again over the same intervals (the iterations of β-CROWN, the intermediate passes of CROWN)
+    reuses it instead of another product with ``|W|``."""
+
+    def __init__(self, inputs: Sequence[Interval], mapped: bool, value: Tensor | None) -> None:
+        self.keys = [(weakref.ref(x.lower), x.lower._version, weakref.ref(x.upper), x.upper._version) for x in inputs]
+        self.mapped, self.value = mapped, value
+
+    def matches(self, inputs: Sequence[Interval], mapped: bool) -> bool:
+        return (
+            mapped == self.mapped
+            and len(inputs) == len(self.keys)
+            and all(
+                lower() is x.lower and upper() is x.upper and (low, high) == (x.lower._version, x.upper._version)
+                for x, (lower, low, upper, high) in zip(inputs, self.keys, strict=True)
+            )
+        )
+
+
+#: Per op, its last rounding bound (held beside the op rather than on it: ops are copied and sharded).
+_MEMOS: weakref.WeakKeyDictionary[BoundOp, _Memo] = weakref.WeakKeyDictionary()
+
+
 class LinearOp(BoundOp):
-    """An affine operator ``y = L(x) + c``: CROWN's backward step is exact, and interval bounds follow from the
-    centre and radius of the input (``L(mid) + c ± |L|(rad)``)."""
+    """An affine operator ``y = L(x) + c``: CROWN's backward step is its transpose, and interval bounds follow from
+    the centre and radius of the input (``L(mid) + c ± |L|(rad)``).
+
+    Its rounding, per output: ``γ·(|L|(|x|) + |c|)`` with ``γ`` from the number of terms of the model's sum
+    (``n_in``, :meth:`terms`) in the model's precision, and from those of the forward map and of the transpose
+    (``n_out``) in the working dtype — for the backward step, ``|Σ (A·L − fl(A·L))·x| ≤ γ_{n_out}·Σ|A|·|L|(|x|)``.
+    An op that only copies values rounds nothing but the sums of its transpose and the products with its constant.
+    """
+
+    #: Where the model computes the constant term from larger terms than the folded one (batch normalisation's
+    #: ``β − mean·scale``, a bias added after a MatMul), their magnitudes, which its rounding scales with.
+    constant_magnitude: Tensor | None = None
 
     @abstractmethod
     def linear(self, x: Tensor) -> Tensor:
@@ -144,19 +260,94 @@ class LinearOp(BoundOp):
         """``Lᵀ`` applied to coefficients ``A [S, B, *out_shape]`` → ``[S, B, *in_shape]`` (Patches only where the op
         ``accepts_patches``)."""
 
+    @abstractmethod
+    def terms(self) -> tuple[int, int]:
+        """``(n_in, n_out)``: the most products one output sums in ``L(x)`` and one input in ``Lᵀ(A)``; ``n_in = 0``
+        for an op whose every output is a copy of one input (or a constant), ``(0, 1)`` when it also reads every
+        input at most once (an exact op)."""
+
     def constant(self) -> Tensor | None:
         """The constant term ``c`` (broadcastable to the output), or ``None``."""
         return None
+
+    def constant_reach(self) -> Tensor | None:
+        """The magnitude the model's rounding of the constant term scales with: :attr:`constant_magnitude`, else
+        ``|c|``."""
+        if self.constant_magnitude is not None:
+            return self.constant_magnitude
+        c = self.constant()
+        return None if c is None else c.abs()
+
+    @property
+    def needs_input_bounds(self) -> bool:
+        return self.terms() != (0, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         c = self.constant()
         y = self.linear(x)
         return y if c is None else y + c
 
+    def _error(self, reach: Tensor | None, dtype: torch.dtype, mapped: bool) -> Tensor | None:
+        """The rounding bound per output for ``reach = |L|(|x|)`` (unused by exact ops), or ``None``.
+
+        The model's sum of ``n_in`` products (and its constant) in the model's precision, and ours in the working
+        dtype: ``mapped``, the forward map of a centre and a radius (:meth:`map_rounding`: ``L(mid) + c`` rounds by
+        ``γ_{n_in+1}·(|L|(|mid|) + |c|)``, the non-negative sum ``|L|(rad)`` by ``γ_{n_in}·|L|(rad)``, together within
+        ``γ_{n_in+2}·(|L|(|mid| + rad) + |c|)``), else the backward step's transpose (``n_out``); both with the
+        products of the constant summed in float64. A last factor covers the rounding of ``reach`` itself (a sum of non-negative terms, low by at
+        most ``γ_{n_in}``). Copies round nothing but the transpose's sums (``n_out > 1``) and the constant's
+        products."""
+        n_in, n_out = self.terms()
+        constant = self.constant_reach()
+        u = unit_roundoff(dtype)
+        if n_in == 0:
+            error = None if constant is None else 2 * u * constant
+            if n_out > 1:
+                copies = (gamma(n_out + 1, dtype) + FLOAT64_EPSILON) * reach
+                error = copies if error is None else copies + error
+            return error
+        model = self.model_precision(dtype)
+        ours = gamma(n_in + 2, dtype) if mapped else gamma(n_out + 2, dtype)
+        factor = (gamma(n_in + 4, model) + ours + FLOAT64_EPSILON) * (1 + 2 * gamma(n_in + 2, dtype))
+        error = reach if constant is None else reach + constant
+        return error * factor + (n_in + 4) * smallest_normal(model)
+
+    def _rounding(self, inputs: Sequence[Interval | None], mapped: bool) -> Tensor | None:
+        if not self.needs_input_bounds:
+            constant = self.constant()
+            return None if constant is None else self._error(None, constant.dtype, mapped)
+        memo = _MEMOS.get(self)
+        if memo is not None and memo.matches(inputs, mapped):
+            return memo.value
+        (x,) = inputs
+        with torch.no_grad():
+            value = self._error(self.abs_linear(x.magnitude), x.lower.dtype, mapped)
+        _MEMOS[self] = _Memo(inputs, mapped, value)
+        return value
+
+    def rounding(self, inputs: Sequence[Interval | None]) -> Tensor | None:
+        return self._rounding(inputs, mapped=False)
+
+    def map_rounding(self, inputs: Sequence[Interval | None]) -> Tensor | None:
+        """As :meth:`rounding`, for mapping a centre and a radius forwards (interval bounds, forward-mode linear
+        bounds) instead of a backward step."""
+        return self._rounding(inputs, mapped=True)
+
     def ibp(self, x: Interval) -> Interval:
-        mid, rad = self.forward(x.center), self.abs_linear(x.radius)
-        return Interval(mid - rad, mid + rad)
+        if self.terms()[0] == 0:  # copies (and a padding constant added to zeros): exact
+            return Interval(self.forward(x.lower), self.forward(x.upper))
+        mid = x.center
+        y = self.forward(mid)
+        rad = x.radius_around(mid)
+        spread, reach = self.abs_linear(torch.cat([rad, mid.abs() + rad])).chunk(2)
+        low, high = y.double() - spread.double(), y.double() + spread.double()
+        return enclose(low, high, self._error(reach, y.dtype, mapped=True), y.dtype, self.precision)
 
     def backward(self, A, inputs, alpha=None):
         c = self.constant()
-        return [self.transpose(A)], None if c is None else contract(A, c)
+        term = None if c is None else contract(A, c)
+        error = self.rounding(inputs)
+        if error is not None:
+            slack = contract_abs(A, error)
+            term = -slack if term is None else term - slack
+        return [self.transpose(A)], term

@@ -10,14 +10,22 @@ b·y`` is bilinear, so its extremes over the box are at the four corners (float6
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import round_down, round_up
+from lightning_fedshard.verify.floats import (
+    FLOAT64_EPSILON,
+    gamma,
+    round_down,
+    round_up,
+    smallest_normal,
+    unit_roundoff,
+)
 from lightning_fedshard.verify.ops.activation import bias_term, float64_interval
-from lightning_fedshard.verify.ops.base import BoundOp, Interval
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract_abs, enclose
 
 __all__ = ["Mul"]
 
@@ -65,7 +73,24 @@ class Mul(BoundOp):
         low, high = products.amin(0), products.amax(0)
         low = torch.where(unbounded, -torch.inf, low - _FLOAT64_SLACK * (1 + low.abs()))
         high = torch.where(unbounded, torch.inf, high + _FLOAT64_SLACK * (1 + high.abs()))
-        return Interval(round_down(low, a.lower.dtype), round_up(high, a.lower.dtype))
+        # The model's product is within half an ulp of the exact one: each end widens by that of its own value.
+        u, tiny = (
+            unit_roundoff(self.model_precision(a.lower.dtype)),
+            smallest_normal(self.model_precision(a.lower.dtype)),
+        )
+        return enclose(low - u * low.abs() - tiny, high + u * high.abs() + tiny, 0.0, a.lower.dtype, self.precision)
+
+    def rounding(self, inputs: Sequence[Interval | None]) -> Tensor:
+        """The model's product (half an ulp of ``|xy|``), and the backward step's products with the planes'
+        coefficients (``|a| ≤ |y|``, ``|b| ≤ |x|``, ``|c| ≤ 3|x||y|``) and its sums over broadcast elements."""
+        a, b = inputs
+        dtype = a.lower.dtype
+        reach = a.magnitude.double() * b.magnitude.double()
+        model = self.model_precision(dtype)
+        out = math.prod(self.out_shape)
+        broadcast = max(out // max(math.prod(shape), 1) for shape in self.in_shapes)
+        own = (gamma(broadcast + 2, dtype) + FLOAT64_EPSILON) * 5 * reach
+        return own + unit_roundoff(model) * reach + smallest_normal(model)
 
     def planes(self, a: Interval, b: Interval, alpha: Tensor | None = None) -> tuple[Tensor, ...]:
         """``(a_L, b_L, c_L, a_U, b_U, c_U)``: ``a_L·x + b_L·y + c_L ≤ xy ≤ a_U·x + b_U·y + c_U`` on the box, in the
@@ -112,7 +137,7 @@ class Mul(BoundOp):
         A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
         A_a = A_pos * a_low + A_neg * a_high
         A_b = A_pos * b_low + A_neg * b_high
-        bias = bias_term(A_pos, c_low) + bias_term(A_neg, c_high)
+        bias = bias_term(A_pos, c_low) + bias_term(A_neg, c_high) - contract_abs(A, self.rounding(inputs))
         return [self._to_input(A_a, 0), self._to_input(A_b, 1)], bias
 
     # -- α, refinement and branching (as for Activation) -------------------------------------------------------

@@ -21,7 +21,7 @@ class Conv2d(LinearOp):
     Example::
 
         op = Conv2d(weight, bias, in_shape=(3, 32, 32), stride=(1, 1), pads=(1, 1, 1, 1))
-        (A_in,), bias = op.backward(A, [None])   # A [S, B, C', H', W'] -> [S, B, 3, 32, 32]
+        (A_in,), bias = op.backward(A, [x_bounds])   # A [S, B, C', H', W'] -> [S, B, 3, 32, 32]
     """
 
     onnx_types = ("Conv",)
@@ -89,6 +89,10 @@ class Conv2d(LinearOp):
             out = out[:, :, top : out.shape[2] - bottom, left : out.shape[3] - right]
         return out.reshape(S, B, *self.in_shape)
 
+    def terms(self) -> tuple[int, int]:
+        c_out, c_in, kh, kw = self.weight.shape  # c_in per group
+        return c_in * kh * kw, c_out // self.groups * kh * kw
+
     def constant(self) -> Tensor | None:
         return None if self.bias is None else self.bias.view(-1, 1, 1)
 
@@ -154,6 +158,10 @@ class ConvTranspose2d(LinearOp):
         full = F.pad(A.reshape(S * B, *A.shape[2:]), tuple(-p for p in self._crop()))
         out = F.conv2d(full, self.weight, None, self.stride, 0, self.dilation, self.groups)
         return out.reshape(S, B, *out.shape[1:])
+
+    def terms(self) -> tuple[int, int]:
+        c_in, c_out, kh, kw = self.weight.shape  # c_out per group
+        return c_in // self.groups * kh * kw, c_out * kh * kw
 
     def constant(self) -> Tensor | None:
         return None if self.bias is None else self.bias.view(-1, 1, 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -46,6 +48,10 @@ class ElementwiseAffine(LinearOp):
             A = A.sum_to_size(*A.shape[:2], *self.in_shape)
         return A
 
+    def terms(self) -> tuple[int, int]:
+        broadcast = math.prod(self.out_shape) // max(math.prod(self.in_shape), 1)
+        return 1, broadcast  # x·s + c, and the transpose's sum over broadcast copies
+
     def constant(self) -> Tensor | None:
         return self.shift
 
@@ -82,6 +88,9 @@ class BatchNorm(ElementwiseAffine):
         shift = beta.double() - mean.double() * scale
         view = (-1,) + (1,) * (len(shape) - 1)
         super().__init__(scale.to(gamma.dtype).view(view), shift.to(gamma.dtype).view(view), shape, shape)
+        # The model computes (x − mean)·γ/√(var + ε) + β: its rounding scales with |β| + |mean·scale|, which the
+        # folded shift β − mean·scale may cancel.
+        self.constant_magnitude = (beta.double().abs() + (mean.double() * scale).abs()).to(gamma.dtype).view(view)
 
     def __repr__(self) -> str:
         return f"BatchNorm({self.in_shape[0]})"

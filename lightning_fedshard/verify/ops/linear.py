@@ -15,7 +15,7 @@ class Linear(LinearOp):
     Example::
 
         op = Linear(torch.randn(10, 784), torch.zeros(10))
-        (A_in,), bias = op.backward(A, [None])   # A [S, B, 10] -> A_in [S, B, 784], bias [S, B]
+        (A_in,), bias = op.backward(A, [x_bounds])   # A [S, B, 10] -> A_in [S, B, 784], bias [S, B]
     """
 
     onnx_types = ("Gemm", "MatMul")
@@ -37,6 +37,9 @@ class Linear(LinearOp):
     def transpose(self, A: Tensor) -> Tensor:
         return A @ self.weight
 
+    def terms(self) -> tuple[int, int]:
+        return self.weight.shape[1], self.weight.shape[0]
+
     def constant(self) -> Tensor | None:
         return self.bias
 
@@ -51,7 +54,7 @@ class LeftLinear(LinearOp):
     Example::
 
         op = LeftLinear(torch.randn(256, 784))   # x [B, 784, 1] -> y [B, 256, 1]
-        (A_in,), _ = op.backward(A, [None])      # A [S, B, 256, 1] -> A_in [S, B, 784, 1]
+        (A_in,), _ = op.backward(A, [x_bounds])  # A [S, B, 256, 1] -> A_in [S, B, 784, 1]
     """
 
     onnx_types = ("MatMul",)
@@ -69,6 +72,9 @@ class LeftLinear(LinearOp):
 
     def transpose(self, A: Tensor) -> Tensor:
         return self.weight.T @ A
+
+    def terms(self) -> tuple[int, int]:
+        return self.weight.shape[1], self.weight.shape[0]
 
     def __repr__(self) -> str:
         return f"LeftLinear({self.weight.shape[1]}→{self.weight.shape[0]})"

@@ -70,5 +70,9 @@ class AvgPool2d(LinearOp):
             )
         return grad.reshape(S, B, *self.in_shape)
 
+    def terms(self) -> tuple[int, int]:
+        window = math.prod(self.kernel)
+        return window + 1, window  # the window's sum, then the division
+
     def __repr__(self) -> str:
         return f"AvgPool2d(k={self.kernel}, s={self.stride})"

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.floats import unit_roundoff
 from lightning_fedshard.verify.ops.activation import Activation, Lines
-from lightning_fedshard.verify.ops.base import Interval, contract
+from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs
 
 __all__ = ["Clip", "LeakyReLU", "PiecewiseLinear", "ReLU"]
 
@@ -119,9 +120,6 @@ class ReLU(PiecewiseLinear):
     def forward(self, x: Tensor) -> Tensor:
         return x.clamp(min=0)
 
-    def ibp(self, x: Interval) -> Interval:
-        return Interval(x.lower.clamp(min=0), x.upper.clamp(min=0))
-
     @staticmethod
     def adaptive_slope(pre: Interval) -> Tensor:
         """CROWN's default lower slope ``[B, *shape]``: 1 where ``u > −l``, else 0."""
@@ -158,11 +156,20 @@ class ReLU(PiecewiseLinear):
         upper_slope, upper_intercept = self.upper_line(pre, unstable)
         return Lines(self.lower_slope(pre, alpha, unstable), None, upper_slope, upper_intercept)
 
+    def ibp(self, x: Interval) -> Interval:
+        return Interval(x.lower.clamp(min=0), x.upper.clamp(min=0))
+
+    def rounding(self, inputs):
+        """Exact in the model; the backward step rounds its products with slopes in [0, 1] and intercepts up to
+        ``|l|``: ``u·|A|·|x|`` each, 3u with the float64 sum."""
+        return 3 * unit_roundoff(inputs[0].lower.dtype) * inputs[0].magnitude
+
     def backward(self, A, inputs, alpha=None):
         # Activation's step without its check for infinite intercepts (a ReLU's are finite on finite bounds).
         lines = self.relax(inputs[0], alpha)
         A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
-        return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], contract(A_neg, lines.upper_bias)
+        term = contract(A_neg, lines.upper_bias) - contract_abs(A, self.rounding(inputs))
+        return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], term
 
     def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor:
         return self.adaptive_slope(inputs[0])
@@ -199,6 +206,7 @@ class LeakyReLU(PiecewiseLinear):
     def __init__(self, negative_slope: float) -> None:
         self.negative_slope = float(negative_slope)
         self.piece_slopes = (self.negative_slope, 1.0)
+        self.relative_ulps = 0.0 if self.negative_slope in (-1.0, 0.0, 1.0) else 1.0  # the model's s·x
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.where(x >= 0, x, x * self.negative_slope)

@@ -30,5 +30,8 @@ class Reshape(LinearOp):
     def transpose(self, A: Tensor) -> Tensor:
         return A.reshape(*A.shape[:2], *self.in_shape)
 
+    def terms(self) -> tuple[int, int]:
+        return 0, 1
+
     def __repr__(self) -> str:
         return f"Reshape({self.in_shape}→{self.out_shape})"

@@ -1,4 +1,4 @@
-"""Discontinuous element-wise functions: Sign and Floor, constant between their jumps.
+"""Discontinuous element-wise functions: Sign, and the staircases Floor, Ceil and Round, constant between jumps.
 
 The extreme of ``f(x) − a·x`` over ``[l, u]`` is then at an endpoint or at one side of a jump (a limit: the line
 must stay below the infimum, which need not be attained), so these too have an exact intercept for every slope. A
@@ -8,12 +8,14 @@ narrow these neurons but not settle them.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.ops.activation import Activation
 
-__all__ = ["Floor", "Sign"]
+__all__ = ["Ceil", "Floor", "Round", "Sign", "Staircase"]
 
 
 def _extreme(values: list[Tensor], maximum: bool) -> Tensor:
@@ -76,33 +78,41 @@ class Sign(Activation):
         return torch.zeros_like(inputs[index].lower)
 
 
-class Floor(Activation):
-    """``⌊x⌋`` (ONNX Floor): exact on an interval without an integer past its start; otherwise between the lines
-    ``x − 1 < ⌊x⌋ ≤ x`` and the constants ``⌊l⌋``, ``⌊u⌋`` (slopes in [0, 1], intercepts exact).
+class Staircase(Activation):
+    """A monotone integer-valued step function ``g``: over ``[l, u]`` it takes the values ``g(l)`` … ``g(u)``, value
+    ``k`` on a piece whose hull is ``[k + start, k + 1 + start]``. Exact on an interval with no jump inside;
+    otherwise between the lines ``x + start ≤ g(x) ≤ x + start + 1`` and the constants ``g(l)``, ``g(u)`` (slopes in
+    [0, 1], intercepts exact). Subclasses give ``g`` and ``start``.
 
-    Example::
+    Example (a subclass)::
 
         Floor().ibp(Interval(torch.tensor([[0.2]]), torch.tensor([[1.5]])))   # [0, 1]
     """
 
-    onnx_types = ("Floor",)
     alpha_per_neuron = 0
+    #: Where piece ``k`` starts, relative to ``k``: 0 for ⌊x⌋ (``[k, k + 1)``), −1 for ⌈x⌉, −0.5 for rounding.
+    start = 0.0
+
+    @abstractmethod
+    def step(self, x: Tensor) -> Tensor:
+        """``g`` element-wise (float64 or the working dtype)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.floor(x)
+        return self.step(x)
 
     def offset(self, slope, lower, upper, maximum):
-        # On the piece [k, k + 1) the function is k − a·x, extreme at its two ends; over the pieces between the
-        # first and the last those ends are linear in k, so only the first two pieces and the last two matter.
-        first, last = torch.floor(lower), torch.floor(upper)
+        # On piece k the function is k − a·x, extreme at the ends of the piece's hull (a limit at an open end still
+        # bounds it); over the pieces between the first and the last those ends are linear in k, so only the first
+        # two pieces and the last two matter.
+        first, last = self.step(lower), self.step(upper)
         values = []
         for k in (first, (first + 1).clamp(max=last), (last - 1).clamp(min=first), last):
-            start, end = torch.maximum(k, lower), torch.minimum(k + 1, upper)
-            values += [k - slope * start, k - slope * end]
+            begin, end = torch.maximum(k + self.start, lower), torch.minimum(k + 1 + self.start, upper)
+            values += [k - slope * begin, k - slope * end]
         return _extreme(values, maximum)
 
     def slope_range(self, lower, upper):
-        crosses = torch.floor(lower) < torch.floor(upper)
+        crosses = self.step(lower) < self.step(upper)
         return torch.zeros_like(lower), crosses.to(lower.dtype)
 
     def candidate_slopes(self, lower, upper):
@@ -110,12 +120,58 @@ class Floor(Activation):
 
     def refine_mask(self, inputs, index):
         pre = inputs[index]
-        return torch.floor(pre.lower) < torch.floor(pre.upper)
+        return self.step(pre.lower) < self.step(pre.upper)
 
     split_mask = refine_mask
 
     def split_point(self, inputs, index):
-        """The integer inside the interval nearest its midpoint."""
+        """The jump inside the interval nearest its midpoint (jumps lie at ``k + start``)."""
         pre = inputs[index]
         middle = (pre.lower + pre.upper) / 2
-        return torch.round(middle).clamp(torch.floor(pre.lower) + 1, torch.floor(pre.upper))
+        k = torch.round(middle - self.start).clamp(self.step(pre.lower) + 1, self.step(pre.upper))
+        return k + self.start
+
+
+class Floor(Staircase):
+    """``⌊x⌋`` (ONNX Floor), value ``k`` on ``[k, k + 1)``.
+
+    Example::
+
+        Floor().ibp(Interval(torch.tensor([[0.2]]), torch.tensor([[1.5]])))   # [0, 1]
+    """
+
+    onnx_types = ("Floor",)
+
+    def step(self, x: Tensor) -> Tensor:
+        return torch.floor(x)
+
+
+class Ceil(Staircase):
+    """``⌈x⌉`` (ONNX Ceil), value ``k`` on ``(k − 1, k]``.
+
+    Example::
+
+        Ceil().ibp(Interval(torch.tensor([[0.2]]), torch.tensor([[1.5]])))   # [1, 2]
+    """
+
+    onnx_types = ("Ceil",)
+    start = -1.0
+
+    def step(self, x: Tensor) -> Tensor:
+        return torch.ceil(x)
+
+
+class Round(Staircase):
+    """The nearest integer, ties to even (ONNX Round), value ``k`` on ``[k − ½, k + ½]`` (one end or both: a tie
+    belongs to the even neighbour).
+
+    Example::
+
+        Round().ibp(Interval(torch.tensor([[0.5]]), torch.tensor([[2.5]])))   # [0, 2]
+    """
+
+    onnx_types = ("Round",)
+    start = -0.5
+
+    def step(self, x: Tensor) -> Tensor:
+        return torch.round(x)

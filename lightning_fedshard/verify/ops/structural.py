@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract
+from lightning_fedshard.verify.floats import unit_roundoff
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract, contract_abs, flat
 
 __all__ = ["Concat", "Reduce", "Select", "Transpose"]
 
@@ -49,12 +50,15 @@ class Select(LinearOp):
         if bool(((index < -1) | (index >= size)).any()):
             raise ValueError(f"{label}: an index outside the input's {size} elements")
         self.index = index
+        kept = index[index >= 0]
+        #: The most outputs that copy one input element (Expand, Tile, Resize): the transpose sums that many.
+        self.copies = int(torch.bincount(kept).max()) if kept.numel() else 1
         padded = index < 0
         self.fill = None if fill is None or not bool(padded.any()) else torch.where(padded, fill.reshape(-1), 0.0)
 
     def linear(self, x: Tensor) -> Tensor:
-        flat = x.flatten(1)
-        taken = flat[:, self.index.clamp(min=0)].masked_fill(self.index < 0, 0.0)
+        rows = flat(x, 1)
+        taken = rows[:, self.index.clamp(min=0)].masked_fill(self.index < 0, 0.0)
         return taken.reshape(x.shape[0], *self.out_shape)
 
     abs_linear = linear
@@ -69,6 +73,9 @@ class Select(LinearOp):
         A_in = flat.new_zeros(S, B, int(torch.Size(self.in_shape).numel()))
         A_in.index_add_(2, self.index[keep], flat[:, :, keep])
         return A_in.reshape(S, B, *self.in_shape)
+
+    def terms(self) -> tuple[int, int]:
+        return 0, self.copies
 
     def __repr__(self) -> str:
         return f"{self.label}({list(self.in_shape)}→{list(self.out_shape)})"
@@ -97,6 +104,9 @@ class Transpose(LinearOp):
 
     def transpose(self, A: Tensor) -> Tensor:
         return A.permute(0, 1, *(p + 2 for p in self.inverse))
+
+    def terms(self) -> tuple[int, int]:
+        return 0, 1
 
     def __repr__(self) -> str:
         return f"Transpose{self.perm}"
@@ -134,6 +144,10 @@ class Reduce(LinearOp):
                 A = A.unsqueeze(a + 2)
         A = A.expand(*A.shape[:2], *self.in_shape)
         return A * self.scale if self.mean else A
+
+    def terms(self) -> tuple[int, int]:
+        count = math.prod(self.in_shape[a] for a in self.axes)
+        return count + 1, 1  # the sum, and the mean's division
 
     def __repr__(self) -> str:
         return f"Reduce{'Mean' if self.mean else 'Sum'}{self.axes}"
@@ -178,8 +192,8 @@ class Concat(BoundOp):
         for part, piece in zip(self.parts, pieces, strict=True):
             if part is None:
                 coefficients.append(piece)
-            else:
-                term = contract(piece, part)
+            else:  # its products round, relative u each (the float64 sum is charged along)
+                term = contract(piece, part) - contract_abs(piece, 2 * unit_roundoff(piece.dtype) * part.abs())
                 bias = term if bias is None else bias + term
         return coefficients, bias
 

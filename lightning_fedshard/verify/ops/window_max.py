@@ -14,11 +14,13 @@ Non-overlapping 2-D pools are loaded as pairwise maxima ``max(a, b) = ReLU(a −
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import round_up
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract
+from lightning_fedshard.verify.floats import FLOAT64_EPSILON, gamma, round_up, unit_roundoff
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract, contract_abs, flat
 
 __all__ = ["WindowMax"]
 
@@ -43,6 +45,8 @@ class WindowMax(BoundOp):
             raise ValueError("a window holds nothing but padding")
         self.windows = windows
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        #: The most windows one input element lies in: the backward step sums that many coefficients onto it.
+        self.overlap = int(torch.bincount(windows[windows >= 0].flatten()).max()) if bool((windows >= 0).any()) else 1
 
     def _gather(self, x: Tensor, fill: float) -> Tensor:
         """``x [..., *in_shape]`` → ``[..., outputs, k]``, padding as ``fill``."""
@@ -83,17 +87,32 @@ class WindowMax(BoundOp):
         intercept = torch.where(dominated, 0.0, torch.where(use_plane, plane_intercept, constant))
         return lower, upper, intercept
 
+    def rounding(self, inputs: Sequence[Interval | None]) -> Tensor:
+        (pre,) = inputs
+        return self._rounding(pre, self.lines(pre)[2])
+
+    def _rounding(self, pre: Interval, intercept: Tensor) -> Tensor:
+        """Exact in the model (a maximum). The backward step's coefficients are copies (products with 0 and 1); where
+        windows overlap it sums up to :attr:`overlap` of them per input element (``γ`` of the window's magnitudes),
+        and its intercept's products round by half an ulp each."""
+        error = (2 * unit_roundoff(intercept.dtype) + FLOAT64_EPSILON) * intercept.abs().double()
+        if self.overlap > 1:
+            reach = self._gather(pre.magnitude, 0.0).sum(-1).double()  # [B, outputs]
+            error = error + (gamma(self.overlap + 1, reach.dtype) + FLOAT64_EPSILON) * reach
+        return self._unflatten(error)
+
     def backward(self, A, inputs, alpha=None):
         (pre,) = inputs
         lower, upper, intercept = self.lines(pre)
-        flat = A.flatten(2)  # [S, B, outputs]
-        A_pos, A_neg = flat.clamp(min=0), flat.clamp(max=0)
+        rows = flat(A, 2)  # [S, B, outputs]
+        A_pos, A_neg = rows.clamp(min=0), rows.clamp(max=0)
         per_element = A_pos.unsqueeze(-1) * lower + A_neg.unsqueeze(-1) * upper  # [S, B, outputs, k]
         size = int(torch.Size(self.in_shape).numel())
-        index = self.windows.clamp(min=0).flatten().expand(*flat.shape[:2], -1)
-        weights = per_element.masked_fill(self.windows < 0, 0).flatten(2)
-        A_in = flat.new_zeros(*flat.shape[:2], size).scatter_add_(2, index, weights)
-        return [A_in.reshape(*A.shape[:2], *self.in_shape)], contract(A_neg, intercept)
+        index = self.windows.clamp(min=0).flatten().expand(*rows.shape[:2], -1)
+        weights = flat(per_element.masked_fill(self.windows < 0, 0), 2)
+        A_in = rows.new_zeros(*rows.shape[:2], size).scatter_add_(2, index, weights)
+        bias = contract(A_neg, intercept) - contract_abs(rows, flat(self._rounding(pre, intercept), 1))
+        return [A_in.reshape(*A.shape[:2], *self.in_shape)], bias
 
     def __repr__(self) -> str:
         return f"WindowMax({self.windows.shape[1]} of {list(self.in_shape)} → {list(self.out_shape)})"

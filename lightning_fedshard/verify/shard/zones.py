@@ -11,6 +11,11 @@ The hidden pre-activation bounds that the relaxation needs come from interval pr
 there would need the full-width coefficients of every rank (see the module ``shard`` docs), so zones give sound
 but looser bounds, and their activations are not branched on. The row-parallel bias is added once, after the sum,
 never once per rank.
+
+Rounding (see :mod:`~lightning_fedshard.verify.floats`): the first layer and the activation charge theirs on each
+rank; the second layer is one sum of ``H`` hidden products split over ``P`` ranks and then summed, charged as a sum
+of ``H + P`` terms against the whole ``|W₂|·|h|``; the partial input coefficients' sum over the ranks rounds by
+``γ_P`` of them.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fedshard.verify.floats import FLOAT64_EPSILON, gamma, smallest_normal
 from lightning_fedshard.verify.graph import BoundGraph, Node
-from lightning_fedshard.verify.ops import Activation, BoundOp, Interval, Linear, contract
+from lightning_fedshard.verify.ops import Activation, BoundOp, Interval, Linear, contract, contract_abs, enclose
 from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = ["MegatronZone", "megatron_zones"]
@@ -101,24 +107,45 @@ class MegatronZone(BoundOp):
         y = _LeaveZone.apply(partial, self.group)
         return y if self.b2 is None else y + self.b2
 
+    def _output_error(self, hidden: Interval) -> Tensor:
+        """The second layer's rounding per output (model and ours), for hidden values in ``hidden`` (this rank's)."""
+        dtype = hidden.lower.dtype
+        with torch.no_grad():
+            reach = _LeaveZone.apply(hidden.magnitude @ self.w2.abs().T, self.group).double()
+        terms = self.w1.shape[0] * dist.get_world_size(self.group) + dist.get_world_size(self.group)
+        model = self.model_precision(dtype)
+        factor = (gamma(terms + 4, model) + gamma(2 * terms + self.w2.shape[0] + 4, dtype) + FLOAT64_EPSILON) * (
+            1 + 2 * gamma(terms + 2, dtype)
+        )
+        constant = 0.0 if self.b2 is None else self.b2.abs().double()
+        return (reach + constant) * factor + (terms + 4) * smallest_normal(model)
+
     def ibp(self, x: Interval) -> Interval:
         hidden = self.activation.ibp(self._hidden_bounds(x))
-        mid = _LeaveZone.apply(hidden.center @ self.w2.T, self.group)
-        rad = _LeaveZone.apply(hidden.radius @ self.w2.abs().T, self.group)
+        center = hidden.center
+        mid = _LeaveZone.apply(center @ self.w2.T, self.group)
+        rad = _LeaveZone.apply(hidden.radius_around(center) @ self.w2.abs().T, self.group)
         if self.b2 is not None:
             mid = mid + self.b2
-        return Interval(mid - rad, mid + rad)
+        low, high = mid.double() - rad.double(), mid.double() + rad.double()
+        return enclose(low, high, self._output_error(hidden), mid.dtype, self.precision)
 
     def backward(self, A, inputs, alpha=None):
         (x,) = inputs
+        pre = self._hidden_bounds(x)
         A_hidden = self._enter(A) @ self.w2
-        (A_pre,), activation_term = self.activation.backward(A_hidden, [self._hidden_bounds(x)])
-        (A_x_partial,), hidden_term = self._hidden.backward(A_pre, [None])
+        (A_pre,), activation_term = self.activation.backward(A_hidden, [pre])
+        (A_x_partial,), hidden_term = self._hidden.backward(A_pre, [x])
         terms = [t for t in (activation_term, hidden_term) if t is not None]
-        partial_bias = sum(terms) if terms else torch.zeros(A.shape[:2], dtype=A.dtype, device=A.device)
+        partial_bias = sum(terms) if terms else torch.zeros(A.shape[:2], dtype=torch.float64, device=A.device)
         A_x = _LeaveZone.apply(A_x_partial, self.group)
         bias = _LeaveZone.apply(partial_bias, self.group)
-        return [A_x], bias if self.b2 is None else bias + contract(A, self.b2)
+        if self.b2 is not None:
+            bias = bias + contract(A, self.b2)
+        ranks = dist.get_world_size(self.group)
+        summed = (gamma(ranks + 1, A.dtype) + FLOAT64_EPSILON) * x.magnitude  # the partial coefficients' sum
+        bias = bias - contract_abs(A, self._output_error(self.activation.ibp(pre))) - contract_abs(A_x, summed)
+        return [A_x], bias
 
     def __repr__(self) -> str:
         hidden = f"{self.w1.shape[0]}/rank {self.activation!r}"
