@@ -18,6 +18,7 @@ float64 value is rounded outwards (:func:`round_down`, :func:`round_up`) to the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -68,27 +69,38 @@ def overflow(dtype: torch.dtype) -> float:
     return info.max + info.eps * 2.0 ** (math.frexp(info.max)[1] - 2)
 
 
-def round_down(value: Tensor, dtype: torch.dtype) -> Tensor:
-    """``value`` (float64) in ``dtype``, never above it. The correction is detached, so gradients pass as if the
-    cast were exact (α-CROWN optimises through rounded lines)."""
+@functools.cache
+def _infinity(sign: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.tensor(sign * math.inf, dtype=dtype, device=device)
+
+
+def _step(value: Tensor, dtype: torch.dtype, sign: float) -> Tensor:
+    """``value`` cast to ``dtype`` (to nearest), then one number further towards ``sign·∞``: never on the wrong side of
+    ``value`` (the cast moved it by half a spacing at most), ±∞ kept, a finite value past the dtype's range its
+    largest number. Under autograd the gradient passes as if the cast were exact (α-CROWN optimises through rounded
+    lines)."""
     cast = value.to(dtype)
     exact = cast.detach()
-    below = torch.where(
-        exact.double() > value.detach(), torch.nextafter(exact, torch.full_like(exact, -torch.inf)), exact
-    )
-    return cast + torch.where(torch.isfinite(exact), below - exact, 0)
+    stepped = torch.nextafter(exact, _infinity(sign, dtype, exact.device))
+    if not cast.requires_grad:
+        return stepped
+    return torch.where(torch.isfinite(exact), cast + (stepped - exact), stepped)
+
+
+def round_down(value: Tensor, dtype: torch.dtype) -> Tensor:
+    """``value`` (float64, or any wider type) in ``dtype``, never above it."""
+    return _step(value, dtype, -1.0)
 
 
 def round_up(value: Tensor, dtype: torch.dtype) -> Tensor:
-    """``value`` (float64) in ``dtype``, never below it (detached correction, as :func:`round_down`)."""
-    cast = value.to(dtype)
-    exact = cast.detach()
-    above = torch.where(
-        exact.double() < value.detach(), torch.nextafter(exact, torch.full_like(exact, torch.inf)), exact
-    )
-    return cast + torch.where(torch.isfinite(exact), above - exact, 0)
+    """``value`` (float64, or any wider type) in ``dtype``, never below it."""
+    return _step(value, dtype, 1.0)
 
 
 def round_outwards(lower: Tensor, upper: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """float64 bounds cast to ``dtype`` so that they still contain the float64 interval."""
-    return round_down(lower, dtype), round_up(upper, dtype)
+    """float64 bounds cast to ``dtype`` so that they still contain the float64 interval, an end that the cast keeps
+    exact kept as it is (for boxes: a model's input box, a clipped box; not differentiable)."""
+    low, high = lower.to(dtype), upper.to(dtype)
+    low = torch.where(low.double() > lower, torch.nextafter(low, _infinity(-1.0, dtype, low.device)), low)
+    high = torch.where(high.double() < upper, torch.nextafter(high, _infinity(1.0, dtype, high.device)), high)
+    return low, high

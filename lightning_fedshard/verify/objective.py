@@ -11,7 +11,7 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.spec import Case
 
-__all__ = ["CONFIRMATIONS", "OutputSpec", "box_tensor", "first_counterexample", "free_coordinates"]
+__all__ = ["CONFIRMATIONS", "REPLAY_TOLERANCE", "OutputSpec", "box_tensor", "first_counterexample", "free_coordinates"]
 
 #: An input whose box is narrower than this (relative to its magnitude) is fixed: a VNN-LIB point value rounded
 #: outwards to float32 leaves a box one or two ulps wide.
@@ -33,14 +33,14 @@ def box_tensor(
     precision: torch.dtype | None = None,
 ) -> Interval:
     """The input box as ``[1, *shape]`` tensors in ``dtype`` on ``device``, rounded outwards so it contains the
-    float64 box — and, for a model that takes a narrower float ``precision``, every value of that type a point of
-    the box rounds to."""
+    float64 box — or, for a model that takes a narrower float ``precision``, every value of that type a point of
+    the box rounds to (rounding to nearest is monotone: those between the ends' own)."""
     lo, hi = (
         torch.from_numpy(np.asarray(lower, dtype=np.float64)).to(device),
         torch.from_numpy(np.asarray(upper, dtype=np.float64)).to(device),
     )
-    if precision is not None and precision.itemsize < dtype.itemsize:
-        lo, hi = (bound.double() for bound in round_outwards(lo, hi, precision))
+    if precision is not None and precision.itemsize < dtype.itemsize:  # what the model's input cast makes of it
+        lo, hi = lo.to(precision).double(), hi.to(precision).double()
     lo, hi = round_outwards(lo, hi, dtype)
     return Interval(lo.view(1, *shape), hi.view(1, *shape))
 
@@ -148,6 +148,9 @@ class OutputSpec:
         return self.value(flat(outputs, 1) @ self.matrix.T - self.rhs)
 
 
+#: How far (absolute) a row may be above its bound at a counterexample: the VNN-COMP scorer's tolerance.
+REPLAY_TOLERANCE = 1e-4
+
 #: At most this many of a batch's candidate counterexamples are run through the model (``BoundGraph.model``) to
 #: confirm one: where our float32 forward pass and the model's round apart, the first few usually decide.
 CONFIRMATIONS = 8
@@ -158,8 +161,9 @@ def first_counterexample(
 ) -> Tensor | None:
     """The first of ``points [P, *input shape]`` whose outputs lie in the unsafe set, or ``None``: by ``graph``'s
     forward pass (``value``, the spec value ``[P]`` of its outputs, where already computed), and — where the graph
-    knows its model (onnxruntime) — on the model too, exactly (every row of a disjunct ``≤ 0`` in float64): a point
-    our rounding puts in the unsafe set and the model's does not is no counterexample, and the search goes on."""
+    knows its model (onnxruntime) — on the model too, as the VNN-COMP scorer judges it (every row of a disjunct
+    within :data:`REPLAY_TOLERANCE`): a point our rounding puts in the unsafe set and the model's does not is no
+    counterexample, and the search goes on."""
     if value is None:
         with torch.no_grad():
             value = spec.point_value(graph(points))
@@ -171,6 +175,6 @@ def first_counterexample(
     for index in hits[:CONFIRMATIONS].tolist():
         x = points[index].detach().double().flatten().cpu().numpy()
         margins = matrix @ graph.model(x) - rhs
-        if any(bool(np.all(margins[disjuncts == d] <= 0)) for d in range(spec.num_disjuncts)):
+        if any(bool(np.all(margins[disjuncts == d] <= REPLAY_TOLERANCE)) for d in range(spec.num_disjuncts)):
             return points[index].detach().clone()
     return None

@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_fedshard.verify.bounds.forward import ForwardPass
 from lightning_fedshard.verify.floats import round_down, unit_roundoff
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract, contract_abs, flat
+from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract, contract_abs, contract_error, flat
 from lightning_fedshard.verify.shard.lockstep import check_deadline, check_deadline_between_steps
 from lightning_fedshard.verify.shard.rows import RowPartition
 
@@ -103,7 +103,8 @@ def backward_bound(
             A = A - signed  # rounded: relative u of the result, on values up to |z|
             bias = bias - contract_abs(A, 2 * unit * interval(node.name).magnitude)
             if point is not None:
-                bias = bias + contract(signed, point) - contract_abs(signed, 2 * unit * point.abs())
+                summed = contract_error(point[0].numel(), point.dtype)
+                bias = bias + contract(signed, point) - contract_abs(signed, summed * point.abs())
         if node.name in keep:
             kept[node.name] = A
         if node.op is None:
@@ -133,7 +134,7 @@ def backward_bound(
         # rounded midpoint; both sums in float64, their products' rounding (half an ulp each) charged.
         mid = box.center
         rad = box.radius_around(mid)
-        products = contract_abs(input_A, 2 * unit_roundoff(mid.dtype) * (mid.abs() + rad))
+        products = contract_abs(input_A, contract_error(mid[0].numel(), mid.dtype) * (mid.abs() + rad))
         lower = lower + contract(input_A, mid) - contract(input_A.abs(), rad) - products
     lower = round_down(lower, rows.dtype)
     return Backward(lower, input_A, kept)

@@ -75,24 +75,23 @@ class LinearFunctions:
 
     def concretize(self, box: Interval) -> Interval:
         """The range of the functions over the coordinates' ``box`` ``[B, d]``: ``min lower``, ``max upper`` per
-        element, each a sum of ``d + 1`` products accumulated in float64 and rounded outwards (the products'
-        rounding charged, relative ``u`` each)."""
+        element. The centre's sum of ``d`` products rounds by ``γ_d·Σ |coefficient|·|centre|``, charged to the
+        radius's sum (non-negative terms, scaled up past its own rounding); the constant is added in float64 and the
+        result rounded outwards."""
         batch = box.lower.shape[0]
         center = box.center
         radius = box.radius_around(center)
-        center, radius = center.reshape(batch, -1, 1), radius.reshape(batch, -1, 1)
         d = center.shape[1]
+        g = gamma(d + 1, self.lower.dtype)
+        center, spread = center.reshape(batch, -1, 1), (radius + g * (center.abs() + radius)).reshape(batch, -1, 1)
         shape = self.lower.shape[2:]
-        u = unit_roundoff(self.lower.dtype)
 
         def extreme(functions: Tensor, sign: float) -> Tensor:
             coefficients, constant = flat(functions[:, :d], 2), flat(functions[:, d], 1)
-            value = (coefficients * center).sum(1, dtype=torch.float64) + constant.double()
-            spread = (coefficients.abs() * (radius + 2 * u * center.abs())).sum(1, dtype=torch.float64)
-            value = value + sign * spread * (1 + 2 * gamma(d + 1, self.lower.dtype))
-            return (round_up(value, self.lower.dtype) if sign > 0 else round_down(value, self.lower.dtype)).view(
-                batch, *shape
-            )
+            value = (coefficients * center).sum(1).double() + constant.double()
+            value = value + sign * (coefficients.abs() * spread).sum(1).double() * (1 + 2 * g)
+            rounded = round_up(value, self.lower.dtype) if sign > 0 else round_down(value, self.lower.dtype)
+            return rounded.view(batch, *shape)
 
         return Interval(extreme(self.lower, -1.0), extreme(self.upper, 1.0))
 
@@ -107,20 +106,20 @@ class LinearFunctions:
         total = (flat(both[:, :d], 2) * reach).sum(1) + flat(both[:, d], 1)
         return (total * (1 + 2 * gamma(d + 2, total.dtype))).view(batch, *self.lower.shape[2:])
 
-    def widened(self, error: Tensor | float) -> LinearFunctions:
-        """These functions moved apart by ``error`` (per element) in their constants, rounded outwards."""
-        lower, upper = self.lower.clone(), self.upper.clone()
-        lower[:, -1] = round_down(self.lower[:, -1].double() - error, lower.dtype)
-        upper[:, -1] = round_up(self.upper[:, -1].double() + error, upper.dtype)
-        return LinearFunctions(lower, upper)
+    def widen_(self, error: Tensor | float) -> LinearFunctions:
+        """These functions moved apart by ``error`` (per element) in their constants, rounded outwards, in place
+        (the functions of a node being built, nothing else holds them)."""
+        self.lower[:, -1] = round_down(self.lower[:, -1].double() - error, self.lower.dtype)
+        self.upper[:, -1] = round_up(self.upper[:, -1].double() + error, self.upper.dtype)
+        return self
 
 
 def _through_linear(
-    op: LinearOp, functions: LinearFunctions, out_shape: tuple[int, ...], coordinates: Interval
+    op: LinearOp, functions: LinearFunctions, out_shape: tuple[int, ...], magnitude: Tensor | None
 ) -> LinearFunctions:
     """``L(mid) ± |L|(rad) + c`` of the functions' midpoint and radius, moved apart by the op's rounding on values up
-    to their magnitude (the rounding of halving the functions is half an ulp of it at most). Copies map each
-    function as it is: exactly."""
+    to the functions' ``magnitude`` (:meth:`LinearOp.map_rounding` also covers the halving of the functions into
+    a midpoint and a radius). Copies map each function as it is: exactly."""
     batch, rows = functions.lower.shape[:2]
     flat = (batch * rows, *functions.lower.shape[2:])
 
@@ -135,19 +134,17 @@ def _through_linear(
             lower[:, -1] += constant
             upper[:, -1] += constant
         return LinearFunctions(lower, upper)
-    magnitude = functions.magnitude(coordinates)
     mid = mapped((functions.lower + functions.upper) / 2, op.linear)
     rad = mapped((functions.upper - functions.lower) / 2, op.abs_linear)
     if constant is not None:
         mid = mid.clone()
         mid[:, -1] += constant
     error = op.map_rounding([Interval(-magnitude, magnitude)])
-    halving = op.abs_linear(2 * unit_roundoff(magnitude.dtype) * magnitude)  # mid's and rad's roundings, through |L|
-    return LinearFunctions(mid - rad, mid + rad).widened(error.double() + halving.double())
+    return LinearFunctions(mid - rad, mid + rad).widen_(error.double())
 
 
 def _through_activation(
-    op: Activation, functions: LinearFunctions, pre: Interval, coordinates: Interval
+    op: Activation, functions: LinearFunctions, pre: Interval, magnitude: Tensor
 ) -> LinearFunctions:
     """``a_L·z + b_L ≤ f(z) ≤ a_U·z + b_U`` with ``z`` between its two functions: each line takes the function on
     the side its slope's sign asks for; the products with the slopes round by ``u·|slope|`` of the functions'
@@ -167,8 +164,8 @@ def _through_activation(
         line(lines.upper_slope, lines.upper_bias, functions.upper, functions.lower),
     )
     steepest = torch.maximum(lines.lower_slope.abs(), lines.upper_slope.abs()).double()
-    products = 2 * unit_roundoff(pre.lower.dtype) * steepest * functions.magnitude(coordinates).double()
-    return out.widened(op.line_rounding(lines, pre).double() + products)
+    products = 2 * unit_roundoff(pre.lower.dtype) * steepest * magnitude.double()
+    return out.widen_(op.line_rounding(lines, pre).double() + products)
 
 
 def _through_concat(op: Concat, sources: list[LinearFunctions], d: int) -> LinearFunctions:
@@ -207,6 +204,7 @@ class ForwardPass:
         self.identity, self.coordinates = LinearFunctions.identity(box)
         self.d = self.coordinates.lower.shape[1]
         self.functions: dict[str, LinearFunctions] = {}
+        self._magnitudes: dict[str, Tensor] = {}  # of the functions held, once some reader needed it
         self._readers_left = Counter(name for node in graph.nodes for name in node.inputs)
 
     def tighten(self, node: Node, interval: Interval, bounds: Mapping[str, Interval]) -> Interval:
@@ -220,6 +218,7 @@ class ForwardPass:
             self._readers_left[name] -= 1
             if not self._readers_left[name]:
                 del self.functions[name]
+                self._magnitudes.pop(name, None)
         if mapped is None:  # no forward rule: constant functions of its interval
             mapped = LinearFunctions.constant(interval, self.d)
         else:
@@ -230,11 +229,17 @@ class ForwardPass:
             self.functions[node.name] = mapped
         return interval
 
+    def _magnitude(self, name: str) -> Tensor:
+        if name not in self._magnitudes:
+            self._magnitudes[name] = self.functions[name].magnitude(self.coordinates)
+        return self._magnitudes[name]
+
     def _map(self, node: Node, bounds: Mapping[str, Interval]) -> LinearFunctions | None:
         """The functions of ``node`` from its inputs' (``None``: the op has no forward rule)."""
         op, sources = node.op, [self.functions[name] for name in node.inputs]
         if isinstance(op, LinearOp):
-            return _through_linear(op, sources[0], node.shape, self.coordinates)
+            magnitude = self._magnitude(node.inputs[0]) if op.terms()[0] else None
+            return _through_linear(op, sources[0], node.shape, magnitude)
         if isinstance(op, Add):
             a, b = sources
             out = (
@@ -243,14 +248,14 @@ class ForwardPass:
                 else LinearFunctions(a.lower + b.lower, a.upper + b.upper)
             )
             # Each coefficient's sum rounds (half an ulp), and so does the model's sum of the values.
-            magnitude = a.magnitude(self.coordinates).double() + b.magnitude(self.coordinates).double()
-            return out.widened(
+            magnitude = sum(self._magnitude(name).double() for name in node.inputs)
+            return out.widen_(
                 2 * unit_roundoff(a.lower.dtype) * magnitude + op.rounding([bounds[n] for n in node.inputs])
             )
         if isinstance(op, Concat):
             return _through_concat(op, sources, self.d)
         if isinstance(op, Activation):
-            return _through_activation(op, sources[0], bounds[node.inputs[0]], self.coordinates)
+            return _through_activation(op, sources[0], bounds[node.inputs[0]], self._magnitude(node.inputs[0]))
         return None
 
 

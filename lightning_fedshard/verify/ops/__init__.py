@@ -8,7 +8,16 @@ planes (:class:`Mul`), maxima over windows (:class:`WindowMax`) and softmax as i
 
 from lightning_fedshard.verify.ops.activation import Activation, Lines
 from lightning_fedshard.verify.ops.add import Add
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract, contract_abs, enclose, flat
+from lightning_fedshard.verify.ops.base import (
+    BoundOp,
+    Interval,
+    LinearOp,
+    contract,
+    contract_abs,
+    contract_error,
+    enclose,
+    flat,
+)
 from lightning_fedshard.verify.ops.bilinear import Mul
 from lightning_fedshard.verify.ops.cast import RoundToFloat
 from lightning_fedshard.verify.ops.conv import Conv2d, ConvTranspose2d
@@ -80,6 +89,7 @@ __all__ = [
     "WindowMax",
     "contract",
     "contract_abs",
+    "contract_error",
     "enclose",
     "flat",
 ]

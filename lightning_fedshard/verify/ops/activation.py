@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import FLOAT64_EPSILON, HUGE, round_down, round_up, smallest_normal, unit_roundoff
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract, contract_abs, enclose, flat
+from lightning_fedshard.verify.floats import HUGE, round_down, round_up, smallest_normal, unit_roundoff
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract, contract_abs, contract_error, enclose, flat
 from lightning_fedshard.verify.ops.patches import Patches
 
 __all__ = ["Activation", "Lines", "bias_term", "float64_interval"]
@@ -280,7 +280,11 @@ class Activation(BoundOp):
             reach = torch.stack(torch.broadcast_tensors(*values)).abs().amax(0).double() * (1 + 2**-20)
             steepest = (lines.lower_slope.abs() + lines.upper_slope.abs()).double()
             intercepts = (torch.as_tensor(lower_bias).abs() + torch.as_tensor(upper_bias).abs()).double()
-            own = (2 * unit_roundoff(pre.lower.dtype) + FLOAT64_EPSILON) * (steepest * pre.magnitude + intercepts)
+            dtype = pre.lower.dtype
+            own = (
+                unit_roundoff(dtype) * steepest * pre.magnitude
+                + contract_error(pre.lower[0].numel(), dtype) * intercepts
+            )
             error = own + self._model_error(reach, pre.lower.dtype)
             if error.dim() == pre.lower.dim():
                 return error

@@ -35,7 +35,17 @@ from lightning_fedshard.verify.floats import (
 )
 from lightning_fedshard.verify.ops.patches import Patches
 
-__all__ = ["BoundOp", "Interval", "LinearOp", "contract", "contract_abs", "enclose", "flat"]
+__all__ = [
+    "FLOAT32_SUMS",
+    "BoundOp",
+    "Interval",
+    "LinearOp",
+    "contract",
+    "contract_abs",
+    "contract_error",
+    "enclose",
+    "flat",
+]
 
 
 def flat(t: Tensor, start: int) -> Tensor:
@@ -78,14 +88,28 @@ class Interval:
         return Interval(self.lower.to(device), self.upper.to(device))
 
 
+#: Nodes of at most this many elements have the products of :func:`contract` summed in their dtype (error
+#: ``γ_{65} = 3.9e-6`` of the terms' magnitudes in float32, and 2-4x faster); larger ones in float64. At 256 the
+#: charge compounded through six layers of 256 ReLUs to CROWN bounds 3 % looser (mnist 256x6, ε = 0.05).
+FLOAT32_SUMS = 64
+
+
+def contract_error(size: int, dtype: torch.dtype) -> float:
+    """How far :func:`contract` over a node of ``size`` elements can be from ``Σ A·value``, relative to ``Σ
+    |A·value|``: the op that forms the term charges this times its constant's magnitude."""
+    return gamma(size + 1, dtype) if size <= FLOAT32_SUMS else unit_roundoff(dtype) + FLOAT64_EPSILON
+
+
 def contract(A: Tensor | Patches, value: Tensor) -> Tensor:
-    """``Σ A·value`` over the node dimensions in float64: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
-    broadcastable to ``[B, *shape]`` (or to ``shape``) gives ``[S, B]``. The products are rounded in ``A``'s dtype
-    (relative error ``u`` each), the sum is accumulated in float64: its error is at most ``(u + FLOAT64_EPSILON)·Σ
-    |A·value|``, which the op that forms the term charges in its :meth:`BoundOp.rounding`."""
+    """``Σ A·value`` over the node dimensions, as float64: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
+    broadcastable to ``[B, *shape]`` (or to ``shape``) gives ``[S, B]``. Within :func:`contract_error` of the exact
+    sum: small nodes sum in ``A``'s dtype, large ones in float64."""
     if isinstance(A, Patches):
-        return A.contract(value)
-    return flat(A * value, 2).sum(-1, dtype=torch.float64)
+        return A.contract(value, exact=math.prod(A.node_shape) > FLOAT32_SUMS)
+    products = flat(A * value, 2)
+    if products.shape[-1] > FLOAT32_SUMS:
+        return products.sum(-1, dtype=torch.float64)
+    return products.sum(-1).double()
 
 
 def contract_abs(A: Tensor | Patches, weights: Tensor) -> Tensor:
@@ -97,11 +121,15 @@ def contract_abs(A: Tensor | Patches, weights: Tensor) -> Tensor:
         total, terms = A.abs().contract(weights), A.values[0, 0].numel()
     else:
         S, B, N = *A.shape[:2], math.prod(A.shape[2:])
-        flat = A.abs().reshape(S, B, N)
+        magnitudes = A.abs().reshape(S, B, N)
         # An infinite weight (an unbounded input) must make the bound infinite, not 0·inf = NaN where A is 0.
         weights = weights.to(A.dtype).nan_to_num(torch.finfo(A.dtype).max)
         weights = weights.expand(B, *A.shape[2:]).reshape(B, N)
-        total, terms = torch.einsum("sbn,bn->sb", flat, weights).double(), flat.shape[-1]
+        if B == 1:  # one box (a root pass over many rows): a matrix-vector product
+            total = (magnitudes.reshape(S, N) @ weights.reshape(N)).unsqueeze(1).double()
+        else:  # many boxes or domains: a product and a sum (measured 1.5-4x faster than batched products)
+            total = (magnitudes * weights).sum(-1).double()
+        terms = N
     return total * (1 + 2 * gamma(terms + 1, A.dtype if isinstance(A, Tensor) else A.values.dtype))
 
 
@@ -293,24 +321,26 @@ class LinearOp(BoundOp):
         The model's sum of ``n_in`` products (and its constant) in the model's precision, and ours in the working
         dtype: ``mapped``, the forward map of a centre and a radius (:meth:`map_rounding`: ``L(mid) + c`` rounds by
         ``γ_{n_in+1}·(|L|(|mid|) + |c|)``, the non-negative sum ``|L|(rad)`` by ``γ_{n_in}·|L|(rad)``, together within
-        ``γ_{n_in+2}·(|L|(|mid| + rad) + |c|)``), else the backward step's transpose (``n_out``); both with the
-        products of the constant summed in float64. A last factor covers the rounding of ``reach`` itself (a sum of non-negative terms, low by at
-        most ``γ_{n_in}``). Copies round nothing but the transpose's sums (``n_out > 1``) and the constant's
-        products."""
+        ``γ_{n_in+2}·(|L|(|mid| + rad) + |c|)``; two more ``u`` for forward-mode functions, whose centre and radius
+        are rounded themselves), else the backward step's transpose (``n_out``); both with the products of the
+        constant summed in float64. A last factor covers the rounding of ``reach`` itself (a sum of non-negative
+        terms, low by at most ``γ_{n_in}``). Copies round nothing but the transpose's sums (``n_out > 1``) and the
+        constant's products."""
         n_in, n_out = self.terms()
         constant = self.constant_reach()
-        u = unit_roundoff(dtype)
+        size = reach[0].numel() if reach is not None else constant.numel()  # the output's elements
+        summed = contract_error(size, dtype)  # the backward step's Σ A·c
         if n_in == 0:
-            error = None if constant is None else 2 * u * constant
+            error = None if constant is None else summed * constant
             if n_out > 1:
                 copies = (gamma(n_out + 1, dtype) + FLOAT64_EPSILON) * reach
                 error = copies if error is None else copies + error
             return error
         model = self.model_precision(dtype)
-        ours = gamma(n_in + 2, dtype) if mapped else gamma(n_out + 2, dtype)
+        ours = gamma(n_in + 4, dtype) if mapped else gamma(n_out + 2, dtype)
         factor = (gamma(n_in + 4, model) + ours + FLOAT64_EPSILON) * (1 + 2 * gamma(n_in + 2, dtype))
-        error = reach if constant is None else reach + constant
-        return error * factor + (n_in + 4) * smallest_normal(model)
+        error = reach * factor if constant is None else reach * factor + constant * (factor + summed)
+        return error + (n_in + 4) * smallest_normal(model)
 
     def _rounding(self, inputs: Sequence[Interval | None], mapped: bool) -> Tensor | None:
         if not self.needs_input_bounds:

@@ -25,7 +25,7 @@ from lightning_fedshard.verify.floats import (
     unit_roundoff,
 )
 from lightning_fedshard.verify.ops.activation import bias_term, float64_interval
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract_abs, enclose
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract_abs, contract_error, enclose
 
 __all__ = ["Mul"]
 
@@ -89,7 +89,8 @@ class Mul(BoundOp):
         model = self.model_precision(dtype)
         out = math.prod(self.out_shape)
         broadcast = max(out // max(math.prod(shape), 1) for shape in self.in_shapes)
-        own = (gamma(broadcast + 2, dtype) + FLOAT64_EPSILON) * 5 * reach
+        summed = contract_error(math.prod(self.out_shape), dtype)  # Σ A·c, |c| ≤ 3|x||y|
+        own = (gamma(broadcast + 2, dtype) + FLOAT64_EPSILON) * 2 * reach + summed * 3 * reach
         return own + unit_roundoff(model) * reach + smallest_normal(model)
 
     def planes(self, a: Interval, b: Interval, alpha: Tensor | None = None) -> tuple[Tensor, ...]:

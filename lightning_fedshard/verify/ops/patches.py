@@ -118,13 +118,15 @@ class Patches:
 
     __rmul__ = __mul__
 
-    def contract(self, value: Tensor) -> Tensor:
-        """``Σ A·value`` over the node in float64 (as :func:`~lightning_fedshard.verify.ops.base.contract`): ``value``
-        broadcastable to ``[B, C, H, W]`` gives ``[S, B]`` (the image is zero-padded, like a convolution's input)."""
+    def contract(self, value: Tensor, exact: bool = True) -> Tensor:
+        """``Σ A·value`` over the node, as float64 (summed in float64 if ``exact``, as
+        :func:`~lightning_fedshard.verify.ops.base.contract` does for large nodes): ``value`` broadcastable to ``[B, C,
+        H, W]`` gives ``[S, B]`` (the image is zero-padded, like a convolution's input)."""
         value = self._as_4d(value)
+        dtype = torch.float64 if exact else None
         if value.shape[-2:] == (1, 1):  # entries outside the image are zero, so a per-channel value needs no window
-            return (self.values.sum((3, 4), dtype=torch.float64) * value[..., 0, 0].double()).sum(-1)
-        return (self.values * self._windows(value)).sum((2, 3, 4), dtype=torch.float64)
+            return (self.values.sum((3, 4), dtype=dtype) * value[..., 0, 0]).sum(-1, dtype=dtype).double()
+        return (self.values * self._windows(value)).sum((2, 3, 4), dtype=dtype).double()
 
     def _widened(self, padding: tuple[int, int], size: tuple[int, int]) -> Tensor:
         """``values`` zero-padded to the window ``size`` that starts at ``positions · stride − padding``."""

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_fedshard.verify.floats import unit_roundoff
 from lightning_fedshard.verify.ops.activation import Activation, Lines
-from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs
+from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs, contract_error
 
 __all__ = ["Clip", "LeakyReLU", "PiecewiseLinear", "ReLU"]
 
@@ -160,9 +160,11 @@ class ReLU(PiecewiseLinear):
         return Interval(x.lower.clamp(min=0), x.upper.clamp(min=0))
 
     def rounding(self, inputs):
-        """Exact in the model; the backward step rounds its products with slopes in [0, 1] and intercepts up to
-        ``|l|``: ``u·|A|·|x|`` each, 3u with the float64 sum."""
-        return 3 * unit_roundoff(inputs[0].lower.dtype) * inputs[0].magnitude
+        """Exact in the model; the backward step rounds its products with slopes in [0, 1] (``u·|A|·|x|``) and sums
+        those with intercepts up to ``|l|`` (:func:`~.base.contract_error`)."""
+        (pre,) = inputs
+        dtype = pre.lower.dtype
+        return (unit_roundoff(dtype) + contract_error(pre.lower[0].numel(), dtype)) * (1 + 2**-20) * pre.magnitude
 
     def backward(self, A, inputs, alpha=None):
         # Activation's step without its check for infinite intercepts (a ReLU's are finite on finite bounds).

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import unit_roundoff
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract, contract_abs, flat
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, LinearOp, contract, contract_abs, contract_error, flat
 
 __all__ = ["Concat", "Reduce", "Select", "Transpose"]
 
@@ -193,7 +192,8 @@ class Concat(BoundOp):
             if part is None:
                 coefficients.append(piece)
             else:  # its products round, relative u each (the float64 sum is charged along)
-                term = contract(piece, part) - contract_abs(piece, 2 * unit_roundoff(piece.dtype) * part.abs())
+                charge = contract_error(piece[0, 0].numel(), piece.dtype) * part.abs()
+                term = contract(piece, part) - contract_abs(piece, charge)
                 bias = term if bias is None else bias + term
         return coefficients, bias
 

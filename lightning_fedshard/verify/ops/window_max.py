@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.floats import FLOAT64_EPSILON, gamma, round_up, unit_roundoff
-from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract, contract_abs, flat
+from lightning_fedshard.verify.floats import FLOAT64_EPSILON, gamma, round_up
+from lightning_fedshard.verify.ops.base import BoundOp, Interval, contract, contract_abs, contract_error, flat
 
 __all__ = ["WindowMax"]
 
@@ -95,7 +95,7 @@ class WindowMax(BoundOp):
         """Exact in the model (a maximum). The backward step's coefficients are copies (products with 0 and 1); where
         windows overlap it sums up to :attr:`overlap` of them per input element (``γ`` of the window's magnitudes),
         and its intercept's products round by half an ulp each."""
-        error = (2 * unit_roundoff(intercept.dtype) + FLOAT64_EPSILON) * intercept.abs().double()
+        error = contract_error(intercept[0].numel(), intercept.dtype) * intercept.abs().double()
         if self.overlap > 1:
             reach = self._gather(pre.magnitude, 0.0).sum(-1).double()  # [B, outputs]
             error = error + (gamma(self.overlap + 1, reach.dtype) + FLOAT64_EPSILON) * reach
