@@ -19,6 +19,7 @@ BENCHMARKS = {
     "deadlines": "lightning_fedshard.bench.deadlines",
     "convpass": "lightning_fedshard.bench.convpass",
     "abcrown": "lightning_fedshard.bench.abcrown",
+    "fuzz": "lightning_fedshard.bench.fuzz",
 }
 
 
