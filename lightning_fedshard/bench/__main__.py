@@ -20,6 +20,7 @@ BENCHMARKS = {
     "convpass": "lightning_fedshard.bench.convpass",
     "abcrown": "lightning_fedshard.bench.abcrown",
     "fuzz": "lightning_fedshard.bench.fuzz",
+    "planted": "lightning_fedshard.bench.planted",
 }
 
 
