@@ -146,8 +146,11 @@ class BoundGraph:
         return consumer.op.split_mask(self.consumer_inputs(consumer, bounds), index)
 
     def constants(self) -> list[Tensor]:
-        """Every tensor the ops hold (weights, biases, shards; placeholders on the meta device included)."""
-        return [value for node in self.nodes[1:] for value in vars(node.op).values() if isinstance(value, Tensor)]
+        """Every tensor the ops hold (weights, biases, shards, a Concat's constant parts; placeholders on the meta
+        device included)."""
+        held = [value for node in self.nodes[1:] for value in vars(node.op).values()]
+        held = [item for value in held for item in (value if isinstance(value, list | tuple) else [value])]
+        return [value for value in held if isinstance(value, Tensor)]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -177,6 +177,18 @@ def test_a_float64_model_is_bounded_and_replayed_in_float64(tmp_path: Path) -> N
     assert unsat.verdict is Verdict.UNSAT  # a ReLU sum is never negative
 
 
+def test_a_float64_model_whose_only_constant_is_a_concat_part_is_bounded_in_float64(tmp_path: Path) -> None:
+    """Found by ``fedshard bench fuzz``: ``Concat(c, x)`` held ``c`` in a list, the graph took itself for float32 and
+    the spec's float32 matrix met float64 outputs (an internal error on every method)."""
+    nodes = [helper.make_node("Concat", ["C", "X"], ["Y"], axis=1)]
+    path = _model(tmp_path / "concat.onnx", nodes, {"C": np.array([[0.1, -2.0]])}, [1, 2], [1, 4], TensorProto.DOUBLE)
+    assert load_onnx(path).dtype == torch.float64
+    sat = verify_files(path, _property(tmp_path / "sat.vnnlib", [(0, 1)] * 2, "(assert (>= Y_3 1.0))", outputs=4))
+    assert sat.verdict is Verdict.SAT and sat.counterexample_check == "ok"
+    unsat = verify_files(path, _property(tmp_path / "unsat.vnnlib", [(0, 1)] * 2, "(assert (>= Y_0 0.1000001))", 4))
+    assert unsat.verdict is Verdict.UNSAT  # the constant 0.1 in float64 stays below 0.1000001
+
+
 def test_a_float16_model_is_bounded_in_its_own_rounding_and_replayed_in_float16(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Gemm", ["X", "W", "b"], ["h"], transB=1), helper.make_node("Tanh", ["h"], ["Y"])]
