@@ -82,6 +82,10 @@ def _step(value: Tensor, dtype: torch.dtype, sign: float) -> Tensor:
     cast = value.to(dtype)
     exact = cast.detach()
     stepped = torch.nextafter(exact, _infinity(sign, dtype, exact.device))
+    if value.dtype.itemsize > dtype.itemsize:
+        # A wider zero is exact: sums cancel exactly there, and products of numbers in a narrower type's range (and
+        # of the rounding constants) do not underflow the wider one. Kept, so that [0, 0] stays a stable neuron.
+        stepped = torch.where(value == 0, exact, stepped)
     if not cast.requires_grad:
         return stepped
     return torch.where(torch.isfinite(exact), cast + (stepped - exact), stepped)

@@ -40,16 +40,19 @@ class Add(BoundOp):
         else:
             low, high = a.lower.double() + b.lower.double(), a.upper.double() + b.upper.double()
         # The model's sum is within half an ulp of the exact one: each end widens by that of its own value.
-        u, tiny = (
-            unit_roundoff(self.model_precision(a.lower.dtype)),
-            smallest_normal(self.model_precision(a.lower.dtype)),
-        )
+        u, tiny = unit_roundoff(self.model_precision(a.lower.dtype)), self._flushed(a, b)
         return enclose(low - u * low.abs() - tiny, high + u * high.abs() + tiny, 0.0, a.lower.dtype, self.precision)
+
+    def _flushed(self, a: Interval, b: Interval) -> Tensor:
+        """What flushing subnormal inputs and results to zero can add: the smallest normal number, but nothing where
+        both inputs are exactly 0 (then so is the sum: MaxPool's tree of gaps over dead ReLUs stays stable)."""
+        nonzero = (a.magnitude > 0) | (b.magnitude > 0)
+        return smallest_normal(self.model_precision(a.lower.dtype)) * nonzero.double()
 
     def rounding(self, inputs: Sequence[Interval | None]) -> Tensor:
         a, b = inputs
         model = self.model_precision(a.lower.dtype)
-        return unit_roundoff(model) * (a.magnitude.double() + b.magnitude.double()) + smallest_normal(model)
+        return unit_roundoff(model) * (a.magnitude.double() + b.magnitude.double()) + self._flushed(a, b)
 
     def backward(self, A, inputs, alpha=None):
         return [A, -A if self.subtract else A], -contract_abs(A, self.rounding(inputs))
