@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lightning_fedshard.verify import load_onnx
+from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.ops.conv import Conv2d
 from lightning_fedshard.verify.ops.patches import Patches
 
@@ -55,7 +56,12 @@ def measure_network(path: Path, rows: int, repeats: int) -> list[dict]:
         neurons = min(rows // 2, int(torch.Size(shape).numel()))
         index = torch.linspace(0, torch.Size(shape).numel() - 1, neurons).long()
         identity = Patches.identity(index, batch=1, shape=shape, dtype=graph.dtype)
-        conv_seconds = _best_seconds(lambda op=op, identity=identity: op.backward(identity, [None]), repeats)
+        # The step charges the layer's rounding on its input's magnitude (a unit box here; computed once per pass)
+        ones = torch.ones(1, *graph.by_name[node.inputs[0]].shape, dtype=graph.dtype)
+        inputs = [Interval(-ones, ones)]
+        conv_seconds = _best_seconds(
+            lambda op=op, identity=identity, inputs=inputs: op.backward(identity, inputs), repeats
+        )
         c_out, c_in_per_group, kh, kw = op.weight.shape
         left = torch.randn(2 * neurons, c_out // op.groups, dtype=graph.dtype)
         right = torch.randn(c_out // op.groups, c_in_per_group * op.groups * kh * kw, dtype=graph.dtype)

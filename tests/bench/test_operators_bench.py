@@ -17,8 +17,9 @@ pytest.importorskip("onnxruntime")
 
 REFERENCE = json.loads((Path(__file__).parent / "auto_lirpa_operators.json").read_text())["bounds"]
 #: Ours over auto_LiRPA's mean output width allowed per method; CROWN's exceptions are the measured 1.051 (Exp)
-#: and 1.043 (x²), α-CROWN's (20 steps of Adam over other parametrisations) up to 1.11 (Cos).
-SLACK = {"ibp": 1e-5, "crown": 0.06, "alpha-crown": 0.12}
+#: and 1.043 (x²), α-CROWN's (20 steps of Adam over other parametrisations) up to 1.11 (Cos). IBP's is the rounding
+#: ours charges and auto_LiRPA's does not (onnxruntime's library functions, 8 ulps for Log: measured up to 5.2e-5).
+SLACK = {"ibp": 1e-4, "crown": 0.06, "alpha-crown": 0.12}
 #: Where ours is far looser by design: IBP through 2 × 2 max pooling written as ReLU(a − b) + b, as α,β-CROWN
 #: rewrites it for ReLU branching (CROWN's bound there is 0.63× auto_LiRPA's).
 LOOSER = {("MaxPool", "ibp")}
