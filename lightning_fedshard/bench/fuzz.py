@@ -104,8 +104,8 @@ WITNESSED = ("at", "inside")
 REPLAY_TOLERANCE = 1e-4
 #: Wall time a run may take past its timeout.
 OVERTIME_S = 1.0
-#: Draws of a case's model before the case is given up (a draw is discarded when onnxruntime rejects it or its
-#: sampled outputs are not finite).
+#: Draws of a case's model before the case is given up (a draw is discarded when onnxruntime rejects it, or its
+#: output is empty, or its sampled outputs are not finite).
 DRAWS = 12
 SAMPLES = 200
 GRADIENT_STEPS = 25
@@ -307,6 +307,9 @@ def _draw(seed: int, index: int, folder: Path) -> tuple[Case, _Sample | None]:
                 outputs = np.stack([forward(x) for x in points])
         except Exception as error:  # noqa: BLE001 (onnx's checker and shape inference, onnxruntime: many types)
             discarded.append(f"rejected: {type(error).__name__}")
+            continue
+        if outputs.shape[1] == 0:  # an empty Slice or Split part: no output to state a property on
+            discarded.append("no outputs")
             continue
         if not np.all(np.isfinite(outputs)):
             discarded.append("not finite")
