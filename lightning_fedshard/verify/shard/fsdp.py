@@ -131,7 +131,16 @@ def _entry(method: Callable, direction: int) -> Callable:
     return gathered
 
 
-_ENTRY_POINTS = {"forward": 1, "ibp": 1, "linear": 1, "abs_linear": 1, "rounding": 1, "backward": -1, "transpose": -1}
+_ENTRY_POINTS = {
+    "forward": 1,
+    "ibp": 1,
+    "linear": 1,
+    "abs_linear": 1,
+    "rounding": 1,
+    "map_rounding": 1,
+    "backward": -1,
+    "transpose": -1,
+}
 _sharded_classes: dict[type, type] = {}
 
 
