@@ -211,6 +211,30 @@ def test_maxpool_over_dead_relus_stays_exactly_zero(tmp_path: Path) -> None:
     assert int(unstable_count(graph, bounds).sum()) == 0
 
 
+def test_resize_moves_the_elements_onnxruntime_moves(tmp_path: Path) -> None:
+    """Found by ``fedshard bench fuzz`` (seed 1002, case 1814): nearest Resize with ``align_corners`` and scale 1/2
+    over 5 columns takes columns 0 and 4 in onnxruntime (``i·(5 − 1)/(2 − 1)``) but 0 and 2 in onnx's reference
+    evaluator, which traced it: a wrong ``unsat`` on a property only columns 4 break."""
+    nodes = [
+        helper.make_node(
+            "Resize",
+            ["X", "", "scales"],
+            ["Y"],
+            mode="nearest",
+            coordinate_transformation_mode="align_corners",
+            nearest_mode="floor",
+        )
+    ]
+    scales = {"scales": np.array([1, 1, 1, 0.5], dtype=np.float32)}
+    path = _model(tmp_path / "resize.onnx", nodes, scales, [1, 1, 1, 5], [1, 1, 1, 2])
+    x = np.arange(5, dtype=np.float32).reshape(1, 5)
+    assert reference_outputs(path, x).ravel().tolist() == [0.0, 4.0]
+    graph = load_onnx(path)
+    assert graph(torch.from_numpy(x)).flatten().tolist() == [0.0, 4.0]
+    prop = _property(tmp_path / "p.vnnlib", [(0.0, 1.0)] * 4 + [(3.0, 4.0)], "(assert (>= Y_1 3.5))", outputs=2)
+    assert verify_files(path, prop).verdict is Verdict.SAT
+
+
 def test_a_float16_model_is_bounded_in_its_own_rounding_and_replayed_in_float16(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Gemm", ["X", "W", "b"], ["h"], transB=1), helper.make_node("Tanh", ["h"], ["Y"])]
