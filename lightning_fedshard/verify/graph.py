@@ -115,6 +115,9 @@ class BoundGraph:
         self.pre_activation = {relu.name: relu.inputs[0] for relu in self.relus}
         #: The float type the model takes its input in (``None``: the graph's dtype); the loader sets it.
         self.input_precision: torch.dtype | None = None
+        #: The dtype the graph computes in where no op holds a float constant (a float64 ReduceMean alone): the
+        #: loader sets it, :meth:`to` keeps it.
+        self.working_dtype: torch.dtype | None = None
         #: The model itself, flat inputs to flat outputs (onnxruntime on the ONNX file, set by ``verify_files``):
         #: counterexamples found on this graph's float32 forward pass are confirmed on it before they count.
         self.model: Callable[[np.ndarray], np.ndarray] | None = None
@@ -154,7 +157,7 @@ class BoundGraph:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next((t.dtype for t in self.constants() if t.is_floating_point()), torch.float32)
+        return next((t.dtype for t in self.constants() if t.is_floating_point()), self.working_dtype or torch.float32)
 
     @property
     def device(self) -> torch.device:
@@ -216,7 +219,15 @@ class BoundGraph:
         every bound, box and domain of a run on it then lives); ``None`` keeps either as it is."""
         for node in self.nodes[1:]:
             node.op.to(dtype, device)
+        self.working_dtype = dtype if dtype is not None else self.working_dtype
         return self
+
+    def with_nodes(self, nodes: list[Node]) -> BoundGraph:
+        """A graph of ``nodes`` (this one's, some ops replaced: sharded, split into zones) with the same output,
+        input precision, working dtype and model."""
+        graph = BoundGraph(nodes, self.output.name)
+        graph.input_precision, graph.working_dtype, graph.model = self.input_precision, self.working_dtype, self.model
+        return graph
 
     def __repr__(self) -> str:
         body = "\n".join(

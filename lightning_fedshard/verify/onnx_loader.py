@@ -298,7 +298,7 @@ def load_onnx(path: str | Path, dtype: torch.dtype | None = None, device: torch.
     nodes = _fuse_biases(ctx.nodes, ctx.variables[output].name)
     _check_finite(nodes, path)
     graph = BoundGraph(nodes, output=ctx.variables[output].name).to(device=device)
-    graph.input_precision = ctx.types[nodes[0].name]
+    graph.input_precision, graph.working_dtype = ctx.types[nodes[0].name], dtype
     return graph
 
 

@@ -235,6 +235,19 @@ def test_resize_moves_the_elements_onnxruntime_moves(tmp_path: Path) -> None:
     assert verify_files(path, prop).verdict is Verdict.SAT
 
 
+def test_a_float64_model_without_constants_computes_in_float64(tmp_path: Path) -> None:
+    """Found by ``fedshard bench fuzz`` (seed 1002, case 806): a float64 ``ReduceMean`` alone has no constant to
+    tell the graph its dtype; it bounded in float32, and a counterexample at the box's float32-rounded edge lay
+    outside the float64 box (answered ``unknown`` by the replay check)."""
+    nodes = [helper.make_node("ReduceMean", ["X"], ["Y"], axes=[1], keepdims=0)]
+    path = _model(tmp_path / "mean.onnx", nodes, {}, [1, 3], [1], TensorProto.DOUBLE)
+    assert load_onnx(path).dtype == torch.float64
+    box = [(0.1, 0.3), (1354.6632753668541, 1360.1505207532773), (-0.7, 0.2)]
+    edge = (0.3 + 1360.1505207532773 + 0.2) / 3
+    result = verify_files(path, _property(tmp_path / "edge.vnnlib", box, f"(assert (>= Y_0 {edge!r}))"))
+    assert result.verdict is Verdict.SAT and result.counterexample_check == "ok"
+
+
 def test_a_float16_model_is_bounded_in_its_own_rounding_and_replayed_in_float16(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Gemm", ["X", "W", "b"], ["h"], transB=1), helper.make_node("Tanh", ["h"], ["Y"])]

@@ -194,7 +194,7 @@ def fsdp_shard(graph: BoundGraph, group: dist.ProcessGroup, prefetch: bool = Tru
     gatherer = WeightGatherer(group, weighted, prefetch)
     for op in weighted:
         op._fsdp_gatherer = gatherer
-    return BoundGraph(nodes, graph.output.name)
+    return graph.with_nodes(nodes)
 
 
 @contextmanager

@@ -181,7 +181,7 @@ def megatron_zones(graph: BoundGraph, group: dist.ProcessGroup, max_zones: int |
             i += 1
     if not zones:
         raise ValueError("tensor-parallel zones need Linear → activation → Linear chains; this network has none")
-    return BoundGraph(nodes, graph.output.name)
+    return graph.with_nodes(nodes)
 
 
 def _is_zone(chain: list[Node], consumers: dict[str, int]) -> bool:
