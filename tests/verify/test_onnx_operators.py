@@ -301,3 +301,10 @@ def test_an_operator_the_verifier_cannot_bound_answers_unknown_naming_the_node(n
     result = verify_files(path, prop, VerifyConfig(timeout=30))
     assert result.verdict is Verdict.UNKNOWN
     assert message in result.reason
+
+
+def test_a_select_transposes_no_rows():
+    """A rank's share of a row partition can be empty (fuzz seed 1002, case 1248: one output row over two ranks):
+    the backward step of a Slice then has no rows, and reshaping them with ``-1`` failed and killed the group."""
+    op = Select(torch.tensor([0, 1]), (7,), (2,))
+    assert op.transpose(torch.zeros(0, 1, 2)).shape == (0, 1, 7)

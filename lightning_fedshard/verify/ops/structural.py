@@ -67,10 +67,10 @@ class Select(LinearOp):
 
     def transpose(self, A: Tensor) -> Tensor:
         S, B = A.shape[:2]
-        flat = A.reshape(S, B, -1)
+        columns = flat(A, 2)  # also with no rows (a rank's empty share of a row partition)
         keep = self.index >= 0
-        A_in = flat.new_zeros(S, B, int(torch.Size(self.in_shape).numel()))
-        A_in.index_add_(2, self.index[keep], flat[:, :, keep])
+        A_in = columns.new_zeros(S, B, int(torch.Size(self.in_shape).numel()))
+        A_in.index_add_(2, self.index[keep], columns[:, :, keep])
         return A_in.reshape(S, B, *self.in_shape)
 
     def terms(self) -> tuple[int, int]:
