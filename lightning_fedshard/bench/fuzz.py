@@ -38,6 +38,7 @@ properties depend on ``--seed`` alone; the verdicts of runs near their timeout d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -662,12 +663,24 @@ def _launch(spec: Path, results: int, limit_s: float) -> str:
         while proc.poll() is None:
             done = sum(1 for _ in spec.parent.glob("*.pickle")) >= results
             if done or time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in (*_descendants(proc.pid), proc.pid):  # the launcher starts each rank in a session of its own
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
                 proc.wait()
                 if not done:
                     stderr.write(f"\nRuntimeError: the group was killed after {limit_s:.0f} s\n")
             time.sleep(0.1)
     return log.read_text(errors="replace")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux's ``/proc/PID/task/*/children``), children first."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            for child in map(int, children.read_text().split()):
+                found += [child, *_descendants(child)]
+    return found
 
 
 def _first_error(stderr: str) -> str:
