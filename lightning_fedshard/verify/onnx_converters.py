@@ -666,7 +666,7 @@ def _transpose(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
 
 
 def _traced(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
-    """A pure data movement as :class:`Select` nodes: ONNX's reference evaluator runs the node on the positions
+    """A pure data movement as :class:`Select` nodes: onnxruntime (:func:`_run_node`) runs the node on the positions
     ``1..n`` of its input (0 where the input has none, e.g. padding), so each output element names the input
     element it copies. Every output becomes one node (Split has several)."""
     source = node.input[0]
