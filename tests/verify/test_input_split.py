@@ -3,13 +3,15 @@ soundness of every sub-box bound met during a search; clipping and splitting aga
 
 from __future__ import annotations
 
+import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify
+from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, verify, verify_files
 from lightning_fedshard.verify.bab import input_split as split_module
 from lightning_fedshard.verify.bab import pieces as pieces_module
 from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
@@ -147,6 +149,25 @@ def test_clipping_keeps_every_point_the_planes_allow():
     assert not bool((allowed & ~inside).any()), "clipping cut off a point every plane allows"
     assert not bool((allowed & ~keep).any()), "a box with an allowed point was dropped"
     assert bool((clipped.upper - clipped.lower)[keep].sum() < (upper - lower)[keep].sum())  # it does shrink
+
+
+def test_a_plane_that_is_not_a_number_clips_nothing():
+    """An infinite bound (log near 0, a reciprocal past float16's range) makes the plane ``∞ − ∞``: the box must
+    stay whole. A NaN limit made it look empty, and input splitting dropped it unproven (a wrong ``unsat``)."""
+    boxes = split_module._Boxes(torch.tensor([[0.0, -1.0]]), torch.tensor([[1.0, 1.0]]), torch.zeros(1))
+    A = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64)
+    clipped, keep = split_module._clip(boxes, A, torch.tensor([[math.nan]], dtype=torch.float64), torch.zeros(1))
+    assert keep.tolist() == [True]
+    assert clipped.lower.tolist() == boxes.lower.tolist() and clipped.upper.tolist() == boxes.upper.tolist()
+
+
+@pytest.mark.parametrize("name", ["log_reducemax", "half_division"])
+def test_fuzz_finds_are_not_proven_by_input_splitting(name):
+    """``fedshard bench fuzz`` seed 1006 cases 1107 (Log → ReduceMax, float32) and 1520 (Div of two tensors in
+    float16): onnxruntime's outputs at a point of the box break the property; input splitting proved it."""
+    folder = Path(__file__).parents[1] / "data" / "fuzz_regressions"
+    config = VerifyConfig(timeout=2, bab=BabMode.INPUT, attack_restarts=0, attack_steps=0, attack_every=0)
+    assert verify_files(folder / f"{name}.onnx", folder / f"{name}.vnnlib", config).verdict is not Verdict.UNSAT
 
 
 def test_splitting_partitions_each_box():

@@ -163,8 +163,10 @@ def _clip(boxes: _Boxes, A: Tensor, c: Tensor, rhs: Tensor) -> tuple[_Boxes, Ten
     term_min = torch.where(A >= 0, A * lower, A * upper)  # [S, N, d]
     rest = c.unsqueeze(-1) + term_min.sum(-1, keepdim=True) - term_min  # min over the other coordinates
     limit = (rhs.double().view(-1, 1, 1) - rest) / torch.where(A == 0, 1.0, A)
-    new_upper = torch.where(A > 0, limit, torch.inf).amin(0)
-    new_lower = torch.where(A < 0, limit, -torch.inf).amax(0)
+    # A plane that is not a number (an infinite bound times a zero width, ∞ − ∞) cuts nothing: the box stays whole,
+    # where a NaN limit would have made it look empty and dropped it unproven.
+    new_upper = torch.where((A > 0) & ~limit.isnan(), limit, torch.inf).amin(0)
+    new_lower = torch.where((A < 0) & ~limit.isnan(), limit, -torch.inf).amax(0)
     slack = _CLIP_SLACK * (upper - lower) + 1e-12
     new_lower = torch.maximum(lower, new_lower - slack)
     new_upper = torch.minimum(upper, new_upper + slack)
