@@ -51,7 +51,7 @@ from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample, free_coordinates
 from lightning_fedshard.verify.ops import Interval, flat
-from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, past
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least, past
 
 __all__ = ["RootBounds", "input_split"]
 
@@ -251,10 +251,11 @@ class _Search:
         """Boxes for a round that takes at most ``_ROUND_SHARE`` of the time left at the last round's pace (at
         least 1, at most ``batch``). On ACAS Xu a box takes microseconds and this is ``batch``; on a conv net
         where one box takes seconds, a full batch of children would outlast the deadline in its first round."""
-        if not self.seconds_per_box:
-            return batch
-        affordable = _ROUND_SHARE * (deadline - time.monotonic()) / self.seconds_per_box
-        return max(1, min(batch, int(affordable)))
+        affordable = batch
+        if self.seconds_per_box:
+            affordable = max(1, min(batch, int(_ROUND_SHARE * (deadline - time.monotonic()) / self.seconds_per_box)))
+        # Sharded, the ranks' clocks differ but their rounds must hold the same boxes: the least of them.
+        return agree_least(affordable)
 
 
 def _pace(from_root: RootBounds | None, started: float) -> float:

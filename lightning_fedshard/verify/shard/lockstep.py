@@ -18,6 +18,7 @@ import torch.distributed as dist
 __all__ = [
     "DeadlineExceeded",
     "agree",
+    "agree_least",
     "check_deadline",
     "check_deadline_between_steps",
     "collective_device",
@@ -47,6 +48,16 @@ def agree(flag: bool) -> bool:
     value = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+def agree_least(count: int) -> int:
+    """The least ``count`` of any rank of the current group (a batch size paced by a rank's own clock)."""
+    group = _group[-1]
+    if group is None:
+        return count
+    value = torch.tensor([count], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return int(value.item())
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
