@@ -14,6 +14,7 @@ answers whose counterexamples replay.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower, unstable_count
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
-from lightning_fedshard.verify.ops import Interval, Linear, ReLU
+from lightning_fedshard.verify.ops import Interval, Linear, ReLU, Softmax
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox
 from tests.verify.onnx_models import reference_outputs
 
@@ -246,6 +247,20 @@ def test_a_float64_model_without_constants_computes_in_float64(tmp_path: Path) -
     edge = (0.3 + 1360.1505207532773 + 0.2) / 3
     result = verify_files(path, _property(tmp_path / "edge.vnnlib", box, f"(assert (>= Y_0 {edge!r}))"))
     assert result.verdict is Verdict.SAT and result.counterexample_check == "ok"
+
+
+def test_softmax_bounds_hold_where_one_logit_dominates() -> None:
+    """Found by ``fedshard bench fuzz`` (seed 1007, case 1774): with logits in [−2.9, 53.5] and [−2.9, 125.7] the
+    lower bound of the second output came out 1 — ``(e^{53.5−125.7} + 1) − 1`` is 0 in float64 — though its exact
+    minimum over the box is ``e^{−2.9} / (e^{−2.9} + e^{53.5})``, 10⁻²⁵. IBP then proved a property onnxruntime
+    breaks."""
+    lower, upper = torch.tensor([[-2.898, -2.898]]), torch.tensor([[53.52, 125.71]])
+    out = Softmax(0, (2,)).ibp(Interval(lower, upper))
+    low, high = (float(v) for v in lower[0].double()), (float(v) for v in upper[0].double())
+    (l0, l1), (u0, u1) = low, high
+    exact_low = [1 / (1 + math.exp(u1 - l0)), 1 / (1 + math.exp(u0 - l1))]
+    assert all(out.lower[0, k] <= exact_low[k] for k in range(2))
+    assert all(out.upper[0, k] >= 1 - 1e-6 for k in range(2))  # either output nearly 1 somewhere in the box
 
 
 def test_a_float16_model_is_bounded_in_its_own_rounding_and_replayed_in_float16(tmp_path: Path) -> None:

@@ -58,8 +58,8 @@ class Softmax(BoundOp):
         dim = self.axis + 1
         shift = u.amax(dim, keepdim=True)
         el, eu = torch.exp(l - shift), torch.exp(u - shift)
-        low = el / (el + eu.sum(dim, keepdim=True) - eu)
-        high = eu / (eu + el.sum(dim, keepdim=True) - el)
+        low = el / (el + _others(eu, dim))
+        high = eu / (eu + _others(el, dim))
         return low.clamp(0, 1), high.clamp(0, 1)
 
     def _finite(self, pre: Interval) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,3 +141,13 @@ class Softmax(BoundOp):
 
     def __repr__(self) -> str:
         return f"Softmax(axis={self.axis})"
+
+
+def _others(e: Tensor, dim: int) -> Tensor:
+    """``Σ_{j≠k} e_j`` for every ``k`` along ``dim`` (non-negative ``e``), without cancellation: ``total − e_k``
+    loses the others where ``e_k`` dominates (``(10⁻³² + 1) − 1 = 0``, and the softmax's lower bound came out 1), so
+    the largest term's others are summed without it; for every other ``k``, ``total ≥ 2·e_k`` keeps the difference
+    within two roundings."""
+    top = torch.zeros_like(e, dtype=torch.bool).scatter_(dim, e.argmax(dim, keepdim=True), True)
+    without_top = torch.where(top, 0.0, e).sum(dim, keepdim=True)
+    return torch.where(top, without_top, e.sum(dim, keepdim=True) - e)
