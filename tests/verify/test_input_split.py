@@ -161,11 +161,12 @@ def test_a_plane_that_is_not_a_number_clips_nothing():
     assert clipped.lower.tolist() == boxes.lower.tolist() and clipped.upper.tolist() == boxes.upper.tolist()
 
 
-@pytest.mark.parametrize("name", ["log_reducemax", "half_division", "cos_softmax"])
+@pytest.mark.parametrize("name", ["log_reducemax", "half_division", "cos_softmax", "softmax_sum_half"])
 def test_fuzz_finds_are_not_proven_by_input_splitting(name):
     """``fedshard bench fuzz`` seed 1006 cases 1107 (Log → ReduceMax, float32) and 1520 (Div of two tensors in
-    float16), seed 1007 case 1774 (Cos → Softmax): onnxruntime's outputs at a point of the box break the property;
-    input splitting (the first two) and IBP's softmax (the third) proved it."""
+    float16), seed 1007 case 1774 (Cos → Softmax), seed 1009 case 1524 (float16 Softmax, ``p₀ + p₁`` below 1):
+    onnxruntime's outputs at a point of the box break the property; input splitting (the first two), IBP's softmax
+    (the third) and CROWN's softmax, which charged the rounding on the plane's gradient (the fourth), proved it."""
     folder = Path(__file__).parents[1] / "data" / "fuzz_regressions"
     config = VerifyConfig(timeout=2, bab=BabMode.INPUT, attack_restarts=0, attack_steps=0, attack_every=0)
     assert verify_files(folder / f"{name}.onnx", folder / f"{name}.vnnlib", config).verdict is not Verdict.UNSAT

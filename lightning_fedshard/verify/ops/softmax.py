@@ -137,7 +137,9 @@ class Softmax(BoundOp):
         error = (gradient - rounded.double()).abs()
         bias = value - flat((rounded.double() * x0), 2).sum(-1) - flat((error * radius), 2).sum(-1)
         magnitude = flat((A.abs() + gradient.abs() * (x0.abs() + radius)), 2).sum(-1) + value.abs()
-        return [rounded], bias - _FLOAT64_SLACK * magnitude - contract_abs(rounded, self.rounding(inputs))
+        # The model's rounding is of the outputs: charged on their coefficients A, not on the plane's gradient
+        # (which vanishes for p₀ + p₁ = 1, whose rounded terms need not sum to 1).
+        return [rounded], bias - _FLOAT64_SLACK * magnitude - contract_abs(A, self.rounding(inputs))
 
     def __repr__(self) -> str:
         return f"Softmax(axis={self.axis})"
