@@ -101,8 +101,6 @@ SHARDED_STRATEGIES = ("fsdp", "tp", "fsdp+rows")
 SHARDED_CONFIG = NO_ATTACK
 #: Properties whose witness ``x*`` violates them: ``unsat`` there is wrong.
 WITNESSED = ("at", "inside")
-#: What a counterexample must replay within (the VNN-COMP scorer's tolerance).
-REPLAY_TOLERANCE = 1e-4
 #: Wall time a run may take past its timeout.
 OVERTIME_S = 1.0
 #: Draws of a case's model before the case is given up (a draw is discarded when onnxruntime rejects it, or its
@@ -174,7 +172,7 @@ def judge(
         if result.counterexample is None:
             failures.append(Failure("bad-counterexample", "sat without a counterexample"))
         else:
-            check = check_counterexample(result.counterexample, prop, forward, REPLAY_TOLERANCE)
+            check = check_counterexample(result.counterexample, prop, forward)  # the scorer's tolerance
             if not check.ok:
                 failures.append(Failure("bad-counterexample", f"does not replay on onnxruntime: {check.reason}"))
     if result.counterexample_check not in ("", "ok"):

@@ -10,8 +10,9 @@ from lightning_fedshard.verify.floats import round_down, round_outwards, round_u
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.spec import Case
+from lightning_fedshard.verify.spec.counterexample import REPLAY_TOLERANCE
 
-__all__ = ["CONFIRMATIONS", "REPLAY_TOLERANCE", "OutputSpec", "box_tensor", "first_counterexample", "free_coordinates"]
+__all__ = ["CONFIRMATIONS", "OutputSpec", "box_tensor", "first_counterexample", "free_coordinates"]
 
 #: An input whose box is narrower than this (relative to its magnitude) is fixed: a VNN-LIB point value rounded
 #: outwards to float32 leaves a box one or two ulps wide.
@@ -147,9 +148,6 @@ class OutputSpec:
         """The value of concrete outputs ``[B, *output shape]``: ``≤ 0`` exactly where ``y`` is unsafe."""
         return self.value(flat(outputs, 1) @ self.matrix.T - self.rhs)
 
-
-#: How far (absolute) a row may be above its bound at a counterexample: the VNN-COMP scorer's tolerance.
-REPLAY_TOLERANCE = 1e-4
 
 #: At most this many of a batch's candidate counterexamples are run through the model (``BoundGraph.model``) to
 #: confirm one: where our float32 forward pass and the model's round apart, the first few usually decide.

@@ -16,6 +16,7 @@ from lightning_fedshard.verify.config import Verdict
 from lightning_fedshard.verify.spec.vnnlib import Property
 
 __all__ = [
+    "REPLAY_TOLERANCE",
     "CheckResult",
     "Counterexample",
     "check_counterexample",
@@ -110,8 +111,12 @@ def read_counterexample(path_or_text: str | Path, num_inputs: int, num_outputs: 
     return Counterexample(np.array(values["X"], dtype=np.float64), np.array(values["Y"], dtype=np.float64))
 
 
+#: How far (absolute) a row may be above its bound at a counterexample: the VNN-COMP scorer's tolerance.
+REPLAY_TOLERANCE = 1e-4
+
+
 def check_counterexample(
-    cex: Counterexample, prop: Property, forward: Callable[[np.ndarray], np.ndarray], tol: float = 1e-4
+    cex: Counterexample, prop: Property, forward: Callable[[np.ndarray], np.ndarray], tol: float = REPLAY_TOLERANCE
 ) -> CheckResult:
     """Validate ``cex`` against ``prop`` like the VNN-COMP scorer; ``forward`` maps a flat x to the flat outputs."""
     x, claimed = np.asarray(cex.x, dtype=np.float64), np.asarray(cex.y, dtype=np.float64)
