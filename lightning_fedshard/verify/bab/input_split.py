@@ -9,7 +9,8 @@ and then per box:
 
 * drops it if some spec row is proven (a box of one disjunct is safe once any of its rows is);
 * runs the network on the minimising corner of every row's linear bound and on the centre, so counterexamples
-  turn up where the bounds say they might be; every few rounds PGD starts in the worst boxes too;
+  turn up where the bounds say they might be, and takes Newton steps from those nearest the unsafe set (a
+  counterexample in a sliver next to a corner); every few rounds PGD starts in the worst boxes too;
 * shrinks it to the part where the linear bounds allow a counterexample ("clip": every row's lower plane must be
   ``≤ rhs`` there, which confines each coordinate in closed form), dropping it if nothing is left;
 * if it has few unstable ReLUs (and no other non-linear op), sets it aside to be tried piece by piece
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fedshard.verify.attack import pgd_attack
+from lightning_fedshard.verify.attack import newton_attack, pgd_attack
 from lightning_fedshard.verify.bab.loop import BabOutcome
 from lightning_fedshard.verify.bab.pieces import (
     PIECES_MAX_UNSTABLE,
@@ -65,6 +66,8 @@ _CLIP_SLACK = 1e-5
 _TRIAL_DIMS = 16
 #: PGD inside the search: the worst boxes attacked, and the steps each.
 _ATTACK_BOXES, _ATTACK_STEPS = 16, 20
+#: Each round, Newton steps start from this many of the candidate points nearest the unsafe set.
+_NEWTON_POINTS = 32
 #: Boxes with few unstable ReLUs wait for a batch of this many before they are tried piece by piece (one β-CROWN
 #: optimisation costs about the same for one box as for hundreds).
 _PIECES_BATCH = 256
@@ -318,8 +321,7 @@ def input_split(
                 else:
                     out, bounds = shared
                 margins = spec.margins(out.lower)  # [N, S]
-                corners = out.minimiser(interval).flatten(0, 1)
-                cex = first_counterexample(graph, spec, torch.cat([interval.center, corners]))
+                cex = _candidates(graph, spec, out, interval)
             if paced:
                 search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
@@ -351,6 +353,20 @@ def input_split(
     except DeadlineExceeded:  # inside a pass: the search's answer is the same as at a check between batches
         return outcome(Verdict.TIMEOUT)
     raise AssertionError("unreachable")
+
+
+def _candidates(graph: BoundGraph, spec: OutputSpec, out: Backward, boxes: Interval) -> Tensor | None:
+    """A counterexample among the boxes' centres and the minimising corners of their rows' linear bounds, or by
+    Newton steps from the ``_NEWTON_POINTS`` of them nearest the unsafe set (see :func:`newton_attack`)."""
+    n = boxes.lower.shape[0]
+    points = torch.cat([boxes.center, out.minimiser(boxes).flatten(0, 1)])
+    value = spec.point_value(graph(points))
+    cex = first_counterexample(graph, spec, points, value)
+    if cex is not None:
+        return cex
+    nearest = value.nan_to_num(torch.inf).argsort()[:_NEWTON_POINTS]
+    owner = nearest % n  # point i of the centres and each row's corners lies in box i mod n
+    return newton_attack(graph, spec, points[nearest], Interval(boxes.lower[owner], boxes.upper[owner]))
 
 
 def _try_phases(
