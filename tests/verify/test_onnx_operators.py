@@ -308,3 +308,15 @@ def test_a_select_transposes_no_rows():
     the backward step of a Slice then has no rows, and reshaping them with ``-1`` failed and killed the group."""
     op = Select(torch.tensor([0, 1]), (7,), (2,))
     assert op.transpose(torch.zeros(0, 1, 2)).shape == (0, 1, 7)
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_every_operator_steps_back_an_empty_share_of_rows(name: str, tmp_path: Path) -> None:
+    """A rank's share of a row partition can be empty (one spec row over two ranks): every backward step must take
+    ``[0, B, *shape]`` coefficients. Concat's constant part read its size off row 0 and killed the group (fuzz
+    seed 2001, case 2346: Add, Concat, Resize under ``tp`` and ``fsdp+rows``)."""
+    graph = load_onnx(_model(name, tmp_path / f"{name}.onnx"))
+    box = Interval(torch.full((1, *graph.input.shape), -1.0), torch.full((1, *graph.input.shape), 1.0))
+    bounds = intermediate_bounds(graph, box)
+    none = torch.zeros(0, 1, *graph.output.shape)
+    assert backward_bound(graph, graph.output.name, none, box, bounds).lower.shape == (0, 1)

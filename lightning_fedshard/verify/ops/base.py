@@ -118,7 +118,7 @@ def contract_abs(A: Tensor | Patches, weights: Tensor) -> Tensor:
     ``γ_N`` below the exact sum, and is scaled up by that. Differentiable (the concretisation's ``Σ |A|·radius``
     is a term α-CROWN optimises)."""
     if isinstance(A, Patches):
-        total, terms = A.abs().contract(weights), A.values[0, 0].numel()
+        total, terms = A.abs().contract(weights), math.prod(A.values.shape[2:])
     else:
         S, B, N = *A.shape[:2], math.prod(A.shape[2:])
         magnitudes = A.abs().reshape(S, B, N)

@@ -192,7 +192,7 @@ class Concat(BoundOp):
             if part is None:
                 coefficients.append(piece)
             else:  # its products round, relative u each (the float64 sum is charged along)
-                charge = contract_error(piece[0, 0].numel(), piece.dtype) * part.abs()
+                charge = contract_error(math.prod(piece.shape[2:]), piece.dtype) * part.abs()
                 term = contract(piece, part) - contract_abs(piece, charge)
                 bias = term if bias is None else bias + term
         return coefficients, bias
