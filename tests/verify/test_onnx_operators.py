@@ -17,11 +17,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import torch.distributed as dist
 from onnx import TensorProto, helper
 
-from lightning_fedshard.verify import Verdict, VerifyConfig, verify_files
+from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
+from lightning_fedshard.verify.bounds.forward import forward_bounds
 from lightning_fedshard.verify.onnx_loader import load_onnx
 from lightning_fedshard.verify.ops import (
     Ceil,
@@ -51,6 +53,7 @@ from lightning_fedshard.verify.ops import (
     Transpose,
     WindowMax,
 )
+from lightning_fedshard.verify.shard.fsdp import fsdp_shard
 from tests.verify.onnx_models import hand_built, our_ops, reference_outputs, weights
 
 pytest.importorskip("onnxruntime")
@@ -198,6 +201,8 @@ CONSTANTS = {
     "scales": np.float32([1, 1, 2, 2]),
 }
 OPERATORS = {**UNARY, **POSITIVE, **TWO_INPUTS, **STRUCTURAL}
+#: Models the fuzzer found bugs with (``fedshard bench fuzz``), kept with their properties.
+REGRESSIONS = Path(__file__).resolve().parents[1] / "data" / "fuzz_regressions"
 #: Operators removed from later opsets, in a model of the last opset that has them.
 OPSET = {"Upsample_opset9": 9}
 
@@ -320,3 +325,46 @@ def test_every_operator_steps_back_an_empty_share_of_rows(name: str, tmp_path: P
     bounds = intermediate_bounds(graph, box)
     none = torch.zeros(0, 1, *graph.output.shape)
     assert backward_bound(graph, graph.output.name, none, box, bounds).lower.shape == (0, 1)
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _assert_fsdp_bounds_bitwise_as_one_process(graph: BoundGraph, group: dist.ProcessGroup) -> None:
+    """IBP, forward mode, CROWN's intermediate passes and a backward pass over a batch of four boxes: the graph
+    sharded by FSDP over ``group`` gives the unsharded graph's bounds, bit for bit."""
+    sharded = fsdp_shard(graph, group)
+    corner = torch.rand(4, *graph.input.shape, generator=torch.Generator().manual_seed(0)) - 1
+    box = Interval(corner, corner + 0.5)
+    outputs = graph.output.size
+    C = torch.cat([torch.eye(outputs), -torch.eye(outputs)]).view(2 * outputs, 1, *graph.output.shape)
+    C = C.expand(-1, 4, *graph.output.shape)
+
+    def passes(G: BoundGraph) -> dict[str, dict[str, tuple[torch.Tensor, ...]]]:
+        crown = intermediate_bounds(G, box, forward=True)
+        spec = backward_bound(G, G.output.name, C, box, crown).lower
+        by_node = {"ibp": G.ibp(box), "forward": forward_bounds(G, box), "crown": crown}
+        found = {kind: {n: (b.lower, b.upper) for n, b in bounds.items()} for kind, bounds in by_node.items()}
+        return {**found, "backward": {G.output.name: (spec,)}}
+
+    expected, ours = passes(graph), passes(sharded)
+    for kind, bounds in expected.items():
+        for node, tensors in bounds.items():
+            assert all(map(torch.equal, tensors, ours[kind][node])), (kind, node)
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_every_operator_under_fsdp_bounds_bitwise_as_one_process(name: str, tmp_path: Path, one_rank_world) -> None:
+    _assert_fsdp_bounds_bitwise_as_one_process(load_onnx(_model(name, tmp_path / f"{name}.onnx")), one_rank_world)
+
+
+def test_an_affine_constant_sharded_by_fsdp_is_not_dropped(one_rank_world) -> None:
+    """FSDP holds each weight of ≥ 2 dimensions as a meta placeholder outside the op's entry points, and torch adds a
+    meta tensor in place as a silent no-op: forward mode read ElementwiseAffine's shift (a scalar broadcast to
+    ``[1, 1]`` over an unbatched input) outside them and dropped it, so input splitting's sub-box bounds lost the
+    constant → wrong ``unsat`` under ``fsdp`` (fuzz seed 2004, case 1519: ``(x·a + b)²``, Split, Sub)."""
+    _assert_fsdp_bounds_bitwise_as_one_process(load_onnx(REGRESSIONS / "affine_shift_fsdp.onnx"), one_rank_world)

@@ -131,11 +131,16 @@ def _entry(method: Callable, direction: int) -> Callable:
     return gathered
 
 
+#: Every method bound code calls that reads an op's weights (or its constant term: forward mode adds it to the
+#: mapped functions). Outside them a weight is a meta placeholder, and a meta tensor added in place to a real one
+#: is a silent no-op in torch: a reader missing here drops the weight without an error.
 _ENTRY_POINTS = {
     "forward": 1,
     "ibp": 1,
     "linear": 1,
     "abs_linear": 1,
+    "constant": 1,
+    "constant_reach": 1,
     "rounding": 1,
     "map_rounding": 1,
     "backward": -1,
@@ -185,7 +190,8 @@ def fsdp_shard(graph: BoundGraph, group: dist.ProcessGroup, prefetch: bool = Tru
                 length = math.ceil(full.numel() / world)
                 flat = torch.nn.functional.pad(full.flatten(), (0, length * world - full.numel()))
                 setattr(op, f"{name}_shard", flat[rank * length : (rank + 1) * length].clone())
-                # A meta tensor keeps shape and dtype for repr/dtype queries; any arithmetic on it fails loudly.
+                # A meta tensor keeps shape and dtype for repr/dtype queries; arithmetic on it is not reliably an
+                # error (in-place into a real tensor does nothing), so every reader is an entry point above.
                 setattr(op, name, full.to("meta"))
                 op._fsdp_layout[name] = (full.shape, full.numel())
             op._fsdp_active = False
