@@ -26,7 +26,9 @@ A run FAILS when (onnxruntime is the judge):
   on onnxruntime), or an answer whose own replay check (``counterexample_check``) failed;
 * ``internal-error``: an exception out of ``verify_files``, a reason starting ``internal error``, an ``error``
   verdict, a sharded group that died;
-* ``overtime``: wall time past the timeout + 1 s.
+* ``overtime``: wall time past the timeout + 1 s;
+* ``worker-crash``: the process drawing and verifying a case died (native code: onnxruntime, torch); the case's
+  folder is kept as ``OUT/failures/case<i>-worker-crash/`` and the run goes on.
 
 Every failure is saved as ``OUT/failures/case<i>-<property>-<method>-<kind>/`` (``model.onnx``,
 ``property.vnnlib``, ``case.json`` with the seed, config, witness and onnxruntime's outputs at it, the answer and
@@ -57,6 +59,7 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -116,7 +119,8 @@ LAUNCH_MARGIN_S = 90.0
 
 @dataclass(frozen=True)
 class Failure:
-    """What was wrong with one run: ``wrong-unsat``, ``bad-counterexample``, ``internal-error`` or ``overtime``.
+    """What was wrong with one run: ``wrong-unsat``, ``bad-counterexample``, ``internal-error``, ``overtime`` or
+    ``worker-crash``.
     For ``wrong-unsat``, ``real`` says whether the witness violates the property also with the model computed in
     float64 (a bound is unsound in real arithmetic) or only in onnxruntime's float32/float16 rounding, which the
     bounds must cover as well (None: not known)."""
@@ -597,14 +601,52 @@ def _quietly() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _cases(jobs: list[CaseJob], workers: int) -> Iterator[Case]:
+def _pool(workers: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_worker)
+
+
+def _cases(jobs: list[CaseJob], workers: int, work: Callable[[CaseJob], Case] = fuzz_case) -> Iterator[Case]:
+    """The cases of ``jobs`` in order, ``work`` done by ``workers`` processes. A worker that dies (a segfault in
+    onnxruntime on a drawn model: seed 2005 lost a whole chunk to one) breaks the pool and every job in flight:
+    the first of them runs again alone, to tell a crash from a bystander, and the rest in a new pool."""
     if workers == 1:
         with _quietly():
-            yield from map(fuzz_case, jobs)
+            yield from map(work, jobs)
         return
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
-        yield from pool.map(fuzz_case, jobs)
+    pending = list(jobs)
+    while pending:
+        with _pool(workers) as pool:
+            futures = [pool.submit(work, job) for job in pending]
+            broken = None
+            for position, future in enumerate(futures):
+                try:
+                    yield future.result()
+                except BrokenProcessPool:
+                    broken = position
+                    break
+        if broken is None:
+            return
+        yield _alone(pending[broken], work)
+        pending = pending[broken + 1 :]
+
+
+def _alone(job: CaseJob, work: Callable[[CaseJob], Case]) -> Case:
+    """``job`` in a pool of its own; if its worker dies there too, a case with one ``worker-crash`` failure, its
+    folder (the model as far as it was written) kept under ``failures/``."""
+    with _pool(1) as pool:
+        try:
+            return pool.submit(work, job).result()
+        except BrokenProcessPool:
+            pass
+    folder = job.out / "failures" / f"case{job.index:05d}-worker-crash"
+    drawn = job.work / f"case{job.index:05d}"
+    if drawn.is_dir():
+        shutil.copytree(drawn, folder, dirs_exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    detail = f"the worker process died on seed {job.seed}, case {job.index} (a crash in native code)"
+    run = Run("worker", "-", "crashed", 0.0, [Failure("worker-crash", detail)], saved=str(folder))
+    (folder / "case.json").write_text(json.dumps({"seed": job.seed, "case": job.index, "failures": [detail]}))
+    return Case(job.index, job.seed, 0, [], drawn, runs=[run])
 
 
 # ------------------------------------------------------------------------------------------- sharded strategies
@@ -744,11 +786,12 @@ def summarise(
             entry["runs"] += 1
             entry["methods"][run.method] += 1
             entry["properties"][run.prop] += 1
-            entry["operators"].update(set(case.model.operators))
+            operators = case.model.operators if case.model is not None else []  # a crashed worker's: unknown
+            entry["operators"].update(set(operators))
             if failure.kind == "wrong-unsat":
                 entry.setdefault("float64", Counter())[_CAUSES[failure.real]] += 1
-            if len(case.model.operators) < entry["layers"]:  # the example: a model with the fewest layers
-                entry["layers"], entry["example"] = len(case.model.operators), run.saved
+            if len(operators) < entry["layers"]:  # the example: a model with the fewest layers
+                entry["layers"], entry["example"] = len(operators), run.saved
             failing[case.index].add(failure.kind)
     for case in drawn:
         for name in set(case.model.operators):
