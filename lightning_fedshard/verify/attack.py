@@ -22,6 +22,15 @@ ATTACK_ACTIVATIONS = 1 << 23
 NEWTON_STEPS, NEWTON_OVERSHOOT = 3, 2.0
 
 
+def _value_and_gradient(graph: BoundGraph, spec: OutputSpec, points: Tensor) -> tuple[Tensor, Tensor]:
+    """The spec value ``[P]`` at ``points`` and its gradient with respect to them (both detached)."""
+    x = points.detach().requires_grad_(True)
+    with torch.enable_grad():
+        value = spec.point_value(graph(x))
+        (grad,) = torch.autograd.grad(value.sum(), x)
+    return value.detach(), grad
+
+
 def pgd_attack(
     graph: BoundGraph,
     spec: OutputSpec,
@@ -63,11 +72,9 @@ def pgd_attack(
     for t in range(steps + 1):
         grads = []
         for first in range(0, x.shape[0], chunk):
-            part = x[first : first + chunk].detach().requires_grad_(True)
-            with torch.enable_grad():
-                value = spec.point_value(graph(part))
-                (grad,) = torch.autograd.grad(value.sum(), part)
-            found = first_counterexample(graph, spec, part, value.detach())
+            part = x[first : first + chunk]
+            value, grad = _value_and_gradient(graph, spec, part)
+            found = first_counterexample(graph, spec, part, value)
             if found is not None:
                 return found
             if past(deadline):
@@ -96,11 +103,8 @@ def newton_attack(
     """
     x = points.detach()
     for _ in range(steps):
-        x = x.requires_grad_(True)
-        with torch.enable_grad():
-            value = spec.point_value(graph(x))
-            (grad,) = torch.autograd.grad(value.sum(), x)
-        found = first_counterexample(graph, spec, x, value.detach())
+        value, grad = _value_and_gradient(graph, spec, x)
+        found = first_counterexample(graph, spec, x, value)
         if found is not None:
             return found
         with torch.no_grad():
