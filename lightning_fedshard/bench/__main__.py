@@ -17,6 +17,7 @@ BENCHMARKS = {
     "faults": "lightning_fedshard.bench.faults",
     "ft-memory": "lightning_fedshard.bench.ft_memory",
     "deadlines": "lightning_fedshard.bench.deadlines",
+    "budget": "lightning_fedshard.bench.budget",
     "convpass": "lightning_fedshard.bench.convpass",
     "abcrown": "lightning_fedshard.bench.abcrown",
     "fuzz": "lightning_fedshard.bench.fuzz",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -98,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
         "default cpu, cuda with --accelerator gpu. LP/MILP refinement solves on the CPU either way",
     )
     parser.add_argument(
+        "--memory",
+        type=_gib,
+        help="GiB of working memory per process (per rank): every pass sizes its chunks to fit, and a pass that "
+        f"cannot answers unknown with the reason (default: {VerifyConfig.memory_fraction:g} of the memory free at "
+        "the start, cgroup limits respected; on CUDA of the GPU's free memory)",
+    )
+    parser.add_argument(
         "--measure-memory",
         action="store_true",
         help="count live tensor memory (slower on CPU; always on with --report)",
@@ -130,6 +138,16 @@ def _parser() -> argparse.ArgumentParser:
     parallel.add_argument("--zones", type=int, help="--tp-mode zones: at most this many zones from the input")
     parallel.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="cpu/gloo (default) or gpu/NCCL")
     return parser
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of GiB, got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -362,6 +380,7 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
             batch_size=args.batch_size,
             seed=args.seed,
             device=_device(args),
+            memory=args.memory,
             measure_memory=args.report is not None or args.measure_memory,  # the report holds memory peaks
         )
         if args.instances is not None:

@@ -129,10 +129,12 @@ class VerifyConfig:
     #: every box pays for, small), and beyond how many open boxes to give up (``unknown``).
     input_batch_size: int = 128
     max_input_domains: int = 5_000_000
-    #: Input splitting: GiB of working memory one bounding pass may take; a round bounds at most as many boxes as
-    #: fit (:func:`~lightning_fedshard.verify.bounds.forward.forward_bytes_per_box`), and the branching trial's
-    #: halves (``2 × dimensions tried × boxes``) are bounded in chunks of that many.
-    input_pass_memory: float = 2.0
+    #: GiB of working memory the instance may hold on top of what the process held before it (the interpreter):
+    #: every pass that grows with the net sizes its chunks to fit (:class:`~lightning_fedshard.verify.budget.Budget`).
+    #: ``None``: ``memory_fraction`` of the memory free when the instance starts (``MemAvailable`` and the cgroup's
+    #: limit on the CPU, ``torch.cuda.mem_get_info`` on CUDA), so that processes side by side each keep theirs.
+    memory: float | None = None
+    memory_fraction: float = 0.4
     #: Input splitting: one search per branching rule, run side by side (see :class:`InputBranching`).
     input_branching: tuple[InputBranching, ...] = (InputBranching.SB, InputBranching.TRIAL)
     #: Every this many batches, PGD from the minimising corners of the worst domains (0 = never).
@@ -159,6 +161,10 @@ class VerifyConfig:
         if not self.input_branching:
             raise ValueError("VerifyConfig.input_branching needs at least one rule")
         check_timeout(self.timeout)
+        if self.memory is not None and not (math.isfinite(self.memory) and self.memory > 0):
+            raise ValueError(f"VerifyConfig.memory must be positive and finite GiB (or None), got {self.memory}")
+        if self.memory_fraction > 1:
+            raise ValueError(f"VerifyConfig.memory_fraction must be at most 1, got {self.memory_fraction}")
         check_device(self.device)
         for name in (
             "alpha_lr",
@@ -168,7 +174,7 @@ class VerifyConfig:
             "refine_budget",
             "refine_layer_share",
             "refine_solve_limit",
-            "input_pass_memory",
+            "memory_fraction",
         ):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):  # NaN compares false
                 raise ValueError(f"VerifyConfig.{name} must be positive and finite, got {getattr(self, name)}")

@@ -36,7 +36,7 @@ from lightning_fedshard._torch_compat import TorchDispatchMode, tree_leaves
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
 
-__all__ = ["PeakMemoryMeter", "tensor_bytes"]
+__all__ = ["PeakMemoryMeter", "cuda_meter_active", "tensor_bytes"]
 
 
 def tensor_bytes(tensors: Iterable[Tensor]) -> int:
@@ -150,6 +150,13 @@ class _LiveStorageCounter(TorchDispatchMode):
 
 # CUDA meters reset the device's peak statistics on enter, which would corrupt an enclosing meter's peak.
 _metered_cuda_devices: set[int] = set()
+
+
+def cuda_meter_active(device: torch.device) -> bool:
+    """Whether a :class:`PeakMemoryMeter` is active on this GPU (another one there would reset its statistics)."""
+    if device.type != "cuda":
+        return False
+    return (device.index if device.index is not None else torch.cuda.current_device()) in _metered_cuda_devices
 
 
 class PeakMemoryMeter:

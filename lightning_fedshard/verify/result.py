@@ -67,7 +67,8 @@ class VerificationResult:
     rank (see :class:`~lightning_fedshard.verify.memory.PeakMemoryMeter`): ``baseline_memory_bytes`` before
     propagation (the constants it holds: full weights, or its shards) and ``peak_memory_bytes`` during it (both 0
     unless ``config.measure_memory``); ``rss_peak_bytes`` is the process's resident high-water mark since it
-    started.
+    started, ``memory_budget_bytes`` the working memory the instance's passes were sized to
+    (:class:`~lightning_fedshard.verify.budget.Budget`).
 
     An instance run from its files (:func:`~lightning_fedshard.verify.instances.run_instance`, the predict loop)
     also has ``onnx``, ``vnnlib``, its ``index`` in the run and ``time_s``, the wall time with loading (the
@@ -88,6 +89,7 @@ class VerificationResult:
     baseline_memory_bytes: int = 0
     peak_memory_bytes: int = 0
     rss_peak_bytes: int = 0
+    memory_budget_bytes: int = 0
     domains_bounded: int = 0
     max_depth: int = 0
     #: Which branch-and-bound ran (``"neuron"``, ``"input"``; one entry per kind, in the order the cases used them).
@@ -124,6 +126,7 @@ class VerificationResult:
             "baseline_memory_bytes": self.baseline_memory_bytes,
             "peak_memory_bytes": self.peak_memory_bytes,
             "rss_peak_bytes": self.rss_peak_bytes,
+            "memory_budget_bytes": self.memory_budget_bytes,
             "domains_bounded": self.domains_bounded,
             "max_depth": self.max_depth,
             "bab_modes": self.bab_modes,

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import resource
 import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from lightning_fedshard.verify.bab.input_split import RootBounds, input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, open_neurons, spec_lower
+from lightning_fedshard.verify.budget import Budget, MemoryBudgetExceeded, peak_resident_bytes
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig
 from lightning_fedshard.verify.device import full_precision, resolve_device
 from lightning_fedshard.verify.floats import FLOAT64_EPSILON, round_down
@@ -32,7 +32,7 @@ from lightning_fedshard.verify.objective import OutputSpec, box_tensor, free_coo
 from lightning_fedshard.verify.onnx_loader import UnsupportedModelError, load_onnx, onnx_source
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.result import VerificationResult
-from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, lockstep, past
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, lockstep
 from lightning_fedshard.verify.shard.plan import ShardPlan
 from lightning_fedshard.verify.spec import (
     Case,
@@ -55,10 +55,10 @@ class InstanceLoadError(ValueError):
 
 
 class _Run:
-    """Bookkeeping of one ``verify`` call: phase timing and the overall deadline."""
+    """Bookkeeping of one ``verify`` call: phase timing, and the instance's budget (its deadline)."""
 
-    def __init__(self, timeout: float) -> None:
-        self.deadline = time.monotonic() + timeout
+    def __init__(self, budget: Budget) -> None:
+        self.budget, self.deadline = budget, budget.deadline
         self.times: dict[str, float] = {}
 
     def timed(self, phase: str, fn, *args, **kwargs):
@@ -71,7 +71,7 @@ class _Run:
     @property
     def expired(self) -> bool:
         """Whether the budget ran out (on any rank of a sharded run: they all stop together)."""
-        return past(self.deadline)
+        return self.budget.expired
 
 
 def _counterexample(graph: BoundGraph, x: torch.Tensor) -> Counterexample:
@@ -328,10 +328,18 @@ def _verify_case(
 
 
 def verify(
-    graph: BoundGraph, prop: Property, config: VerifyConfig | None = None, plan: ShardPlan | None = None
+    graph: BoundGraph,
+    prop: Property,
+    config: VerifyConfig | None = None,
+    plan: ShardPlan | None = None,
+    budget: Budget | None = None,
 ) -> VerificationResult:
     """Decide ``prop`` on ``graph``: ``sat`` if some case has a counterexample, ``unsat`` if every case is
     proven, else ``unknown`` (or ``timeout`` when the budget ran out).
+
+    ``budget`` is the instance's deadline and memory (made from ``config`` now if not given:
+    :meth:`Budget.from_config`); a pass that cannot fit the memory even in its smallest chunks ends the run with
+    ``unknown``, the reason saying what it needed.
 
     The counterexample of a ``sat`` answer has been replayed on ``graph``; check it on the ONNX model with
     :func:`~lightning_fedshard.verify.spec.check_counterexample`. A sharded run (``plan``) is called on every
@@ -344,11 +352,12 @@ def verify(
             f"the property has {prop.num_inputs} inputs and {prop.num_outputs} outputs, the network "
             f"{graph.input.size} and {graph.output.size}"
         )
-    run = _Run(config.timeout)
+    budget = budget or Budget.from_config(config, graph.device)
+    run = _Run(budget)
     generator = torch.Generator().manual_seed(config.seed)
     result = VerificationResult(Verdict.UNSAT)
     meter = PeakMemoryMeter(graph.device, tensor_bytes(graph.constants())) if config.measure_memory else None
-    with full_precision(), lockstep(plan.lockstep_group), meter if meter is not None else nullcontext():
+    with full_precision(), lockstep(plan.lockstep_group), budget.using(), meter or nullcontext():
         if meter is not None:
             meter.mark_baseline()
         try:
@@ -357,12 +366,15 @@ def verify(
                     break
         except DeadlineExceeded:  # inside a bound pass, on every rank of a sharded run at once
             result.verdict = Verdict.TIMEOUT
+        except MemoryBudgetExceeded as exceeded:  # before it allocated: the same sizes on every rank
+            result.verdict, result.reason = Verdict.UNKNOWN, str(exceeded)
     if result.verdict is not Verdict.UNSAT and result.verdict is not Verdict.SAT:
         result.decided_by = None
     result.times = run.times
     if meter is not None:
         result.baseline_memory_bytes, result.peak_memory_bytes = meter.baseline_bytes, meter.peak_bytes
-    result.rss_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result.rss_peak_bytes = peak_resident_bytes()
+    result.memory_budget_bytes = budget.memory
     return result
 
 
@@ -420,11 +432,10 @@ def verify_files(
     collective then fails), never be caught and skipped, or the ranks' collectives would no longer match.
     """
     config, plan = config or VerifyConfig(), plan or ShardPlan()
-    start = time.monotonic()
+    start, device = time.monotonic(), resolve_device(config.device)
+    budget = Budget.from_config(config, device)
     try:
-        graph, prop = _load_everywhere(
-            onnx_path, vnnlib_path, plan, start + config.timeout, resolve_device(config.device)
-        )
+        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan, budget.deadline, device)
     except _AnsweredAtLoad as answer:
         return VerificationResult(answer.verdict, times={"load": time.monotonic() - start}, reason=answer.reason)
     forward = model_forward(onnx_path, graph)
@@ -433,15 +444,18 @@ def verify_files(
     if sharded is not graph:
         graph = None  # this rank keeps its shards only
     load_time = time.monotonic() - start
-    budget = replace(config, timeout=max(config.timeout - load_time, 1e-3))
     try:
-        result = verify(sharded, prop, budget, plan)
+        result = verify(sharded, prop, config, plan, budget)
     except Exception as error:
         if plan.sharded:
             raise  # the other ranks wait in a collective: end the run (see above)
         # One process: a bug must not cost the answer file; the instance is unknown, and the reason says why.
-        logging.getLogger(__name__).exception("verifying %s against %s failed", onnx_path, vnnlib_path)
-        result = VerificationResult(Verdict.UNKNOWN, reason=f"internal error: {type(error).__name__}: {error}")
+        if _allocation_failed(error):
+            reason = f"out of memory ({error}); memory budget {budget.memory / 2**30:.1f} GiB"
+        else:
+            logging.getLogger(__name__).exception("verifying %s against %s failed", onnx_path, vnnlib_path)
+            reason = f"internal error: {type(error).__name__}: {error}"
+        result = VerificationResult(Verdict.UNKNOWN, reason=reason, memory_budget_bytes=budget.memory)
     result.times = {"load": load_time, **result.times}
     if result.verdict is Verdict.SAT:
         # The outputs a counterexample claims are the ONNX model's own (the scorer replays on onnxruntime, which sums
@@ -457,6 +471,12 @@ def verify_files(
         if result.counterexample_check != "ok":
             result.verdict, result.decided_by, result.counterexample = Verdict.UNKNOWN, None, None
     return result
+
+
+def _allocation_failed(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator's refusal (a pass the budget's estimates let through, on a machine whose
+    memory others took meanwhile): an answer's reason, not a bug."""
+    return isinstance(error, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(error)
 
 
 def _encloses(graph: BoundGraph, x: np.ndarray, y: np.ndarray) -> bool:

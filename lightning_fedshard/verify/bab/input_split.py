@@ -2,8 +2,8 @@
 
 Where the input has few dimensions, splitting the box beats splitting ReLUs: every sub-box makes all bounds
 tighter at once. Each round takes a batch of open boxes (last in, first out, so the open list stays as deep as the
-search, not as wide; no more than fit the memory of one pass, ``VerifyConfig.input_pass_memory``, nor than the last
-round's pace allows in an eighth of the time left), bounds them together with CROWN (its intermediate passes start
+search, not as wide; no more than fit the run's memory :class:`~lightning_fedshard.verify.budget.Budget`, nor than
+the last round's pace allows in an eighth of the time left), bounds them together with CROWN (its intermediate passes start
 from forward-mode bounds, :mod:`~lightning_fedshard.verify.bounds.forward`, which leave fewer neurons to refine),
 and then per box:
 
@@ -47,6 +47,7 @@ from lightning_fedshard.verify.bab.pieces import (
 )
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
 from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
+from lightning_fedshard.verify.budget import current_budget
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
@@ -71,6 +72,8 @@ _NEWTON_POINTS = 32
 #: Boxes with few unstable ReLUs wait for a batch of this many before they are tried piece by piece (one β-CROWN
 #: optimisation costs about the same for one box as for hundreds).
 _PIECES_BATCH = 256
+#: The working memory of one bounding pass when the search runs outside a budget (called on its own, in tests).
+_UNBUDGETED_PASS_BYTES = 2 << 30
 #: A round of the search takes at most this share of the time left (by the pace of its last round).
 _ROUND_SHARE = 1 / 8
 #: The searches' last rounds whose bounds are kept: a search popping the very boxes another has just bounded
@@ -283,7 +286,8 @@ def input_split(
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
     searches = [_Search(root, branching) for branching in config.input_branching]
     free_dims = int(free_coordinates(box).sum())
-    boxes_per_pass = max(1, int(config.input_pass_memory * 2**30) // forward_bytes_per_box(graph, free_dims))
+    per_box, budget = forward_bytes_per_box(graph, free_dims), current_budget()
+    boxes_per_pass = budget.items_that_fit(per_box, 1 << 62) if budget else max(1, _UNBUDGETED_PASS_BYTES // per_box)
     batch = min(config.input_batch_size, boxes_per_pass)
     bounded, max_depth = 0, 0
     recent: dict[bytes, tuple[Backward, dict[str, Interval]]] = {}  # the last rounds' bounds, by their boxes

@@ -28,8 +28,9 @@ from torch import Tensor
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.branching import choose_branches
 from lightning_fedshard.verify.bab.domains import DomainBatch, DomainPool
-from lightning_fedshard.verify.bounds.alpha import AlphaResult
+from lightning_fedshard.verify.bounds.alpha import AlphaResult, iteration_bytes
 from lightning_fedshard.verify.bounds.beta import beta_crown
+from lightning_fedshard.verify.budget import current_budget
 from lightning_fedshard.verify.config import Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
@@ -156,6 +157,9 @@ def branch_and_bound(
         return BabOutcome(Verdict.UNKNOWN, None, 0, 0, 1)
     parallel = _DomainParallel(domain_group) if domain_group is not None else None
     pool: DomainPool | None = DomainPool(start)
+    # A parent's two children through β-CROWN with their gradients: the batch the memory budget allows.
+    budget = current_budget()
+    domain_bytes = 2 * iteration_bytes(graph, graph.output.name, spec.num_rows, 1, box.lower.dtype)
     # Domains bounded before the deal are the same on every rank and count once; after it, each rank's count.
     shared_bounded, own_bounded, max_depth, rounds, stuck = 0, 0, 0, 0, False
 
@@ -188,6 +192,8 @@ def branch_and_bound(
             batch = math.ceil(config.batch_size / parallel.world) if dealt else config.batch_size
             # Domain-parallel rounds are local: no rank waits for another inside them.
             with lockstep(None) if parallel is not None else nullcontext():
+                if budget is not None:
+                    batch = budget.items_per_chunk("bab", min(batch, size), domain_bytes)
                 cex, count, depth, round_stuck = _round(
                     graph, spec, box, pool, batch, config, deadline, generator, rounds, kept_names, stuck
                 )
@@ -224,18 +230,20 @@ def _round(
     parents = pool.pop_worst(batch_size, spec.value)
     children = parents.split(graph.split_nodes, parents.branch_layer, parents.branch_neuron, parents.branch_point)
     n = len(children)
-    result = beta_crown(
-        graph,
-        box,
-        spec.rows(n),
-        children,
-        config.beta_iterations,
-        config.beta_lr_alpha,
-        config.beta_lr_beta,
-        stop_above=spec.threshold.view(-1, 1).expand(-1, n),
-        deadline=deadline,
-        keep=kept_names,
-    )
+    budget = current_budget()
+    with budget.measuring_if_tight("bab", len(parents)) if budget is not None else nullcontext():
+        result = beta_crown(
+            graph,
+            box,
+            spec.rows(n),
+            children,
+            config.beta_iterations,
+            config.beta_lr_alpha,
+            config.beta_lr_beta,
+            stop_above=spec.threshold.view(-1, 1).expand(-1, n),
+            deadline=deadline,
+            keep=kept_names,
+        )
     # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
     children.margins = torch.fmax(spec.margins(result.lower), children.margins)  # a NaN bound keeps the parent's
     depth = int(children.depth.max())

@@ -17,19 +17,38 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.bounds.adam import Adam
-from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.bounds.crown import backward_bytes_per_row, intermediate_bounds, spec_lower
+from lightning_fedshard.verify.budget import CHUNK_SHARE, current_budget
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import agree, past
 from lightning_fedshard.verify.shard.rows import RowPartition
 
-__all__ = ["ALPHA_ELEMENTS", "AlphaResult", "alpha_crown", "initial_alphas"]
+__all__ = ["ALPHA_ELEMENTS", "AlphaResult", "alpha_crown", "initial_alphas", "iteration_bytes"]
 
-#: At most this many α values (each with two Adam moments and a gradient besides: 1 GiB in all in float32). Past
-#: it only the output pass is optimised and the intermediate passes keep CROWN's relaxations (a graph whose
+#: Outside a memory budget (:class:`~lightning_fedshard.verify.budget.Budget`), at most this many α values (each
+#: with two Adam moments and a gradient besides: 1 GiB in all in float32). Inside one, what the budget leaves.
+#: Past it only the output pass is optimised and the intermediate passes keep CROWN's relaxations (a graph whose
 #: intermediate passes cross large non-linear layers — ReLU lookup tables of 20,000 neurons, started from hundreds
 #: of rows each — would need gigabytes); past it for the output pass alone, α-CROWN is CROWN.
 ALPHA_ELEMENTS = 1 << 26
+#: Copies of every α an optimisation holds: the value, its gradient, Adam's two moments, the best one kept.
+_ALPHA_COPIES = 5
+
+
+def iteration_bytes(graph: BoundGraph, start: str, rows: int, batch: int, dtype: torch.dtype) -> int:
+    """An estimate of the bytes one optimised pass from ``start`` with ``rows`` rows holds while its gradient is
+    taken: its α with their optimiser state, and the coefficients autograd keeps at every step it crosses."""
+    alphas = _alpha_elements(graph, start, rows, batch) * torch.empty((), dtype=dtype).element_size()
+    return _ALPHA_COPIES * alphas + rows * backward_bytes_per_row(graph, start, batch, dtype)
+
+
+def _affordable(elements: int, nbytes: int) -> bool:
+    """Whether α-CROWN may optimise ``elements`` α values whose iterations hold ``nbytes`` (the same answer on
+    every rank of a sharded run)."""
+    budget = current_budget()
+    fits = elements <= ALPHA_ELEMENTS if budget is None else nbytes <= budget.free() * CHUNK_SHARE
+    return not agree(not fits)
 
 
 @dataclass
@@ -110,17 +129,15 @@ def alpha_crown(
         crown_lower = spec_lower(graph, C, box, start_bounds, partition=partition)
     refined = {pre: index for pre, index in refined.items() if index.numel()}
     batch = box.lower.shape[0]
-    sizes = {pre: _alpha_elements(graph, pre, 2 * local_rows(index.numel()), batch) for pre, index in refined.items()}
-    output_size = _alpha_elements(graph, output, local_rows(C.shape[0]), batch)
-    # Every rank decides from the same sizes (its own chunk of the rows, which differ by at most one per pass).
-    intermediate = output_size + sum(sizes.values()) <= ALPHA_ELEMENTS
-    alphas = {
-        pre: initial_alphas(graph, pre, 2 * local_rows(index.numel()), start_bounds) if intermediate else {}
-        for pre, index in refined.items()
-    }
-    alphas[output] = (
-        initial_alphas(graph, output, local_rows(C.shape[0]), start_bounds) if output_size <= ALPHA_ELEMENTS else {}
-    )
+    rows = {pre: 2 * local_rows(index.numel()) for pre, index in refined.items()}
+    rows[output] = local_rows(C.shape[0])
+    elements = {start: _alpha_elements(graph, start, count, batch) for start, count in rows.items()}
+    nbytes = {start: iteration_bytes(graph, start, count, batch, C.dtype) for start, count in rows.items()}
+    # The output pass's α first; the intermediate passes' too if all of them fit besides.
+    with_output = _affordable(elements[output], nbytes[output])
+    intermediate = with_output and _affordable(sum(elements.values()), sum(nbytes.values()))
+    alphas = {pre: initial_alphas(graph, pre, rows[pre], start_bounds) if intermediate else {} for pre in refined}
+    alphas[output] = initial_alphas(graph, output, rows[output], start_bounds) if with_output else {}
     parameters = [alpha.requires_grad_() for per_start in alphas.values() for alpha in per_start.values()]
 
     best_lower = crown_lower.clone()

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.bounds.forward import ForwardPass
+from lightning_fedshard.verify.budget import run_in_chunks
 from lightning_fedshard.verify.floats import round_down, unit_roundoff
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract, contract_abs, contract_error, flat
@@ -27,6 +28,7 @@ from lightning_fedshard.verify.shard.rows import RowPartition
 __all__ = [
     "Backward",
     "backward_bound",
+    "backward_bytes_per_row",
     "intermediate_bounds",
     "open_neurons",
     "selection_rows",
@@ -151,10 +153,27 @@ def spec_lower(
 ) -> Tensor:
     """Lower bounds ``[S, B]`` of the output spec rows ``C [S, B, *output shape]``; with a ``partition`` this rank
     bounds only its chunk of the rows (``alphas`` are that chunk's) and the ranks exchange the results."""
-    if partition is None:
-        return backward_bound(graph, graph.output.name, C, box, bounds, alphas, deadline=deadline).lower
-    local = backward_bound(graph, graph.output.name, partition.chunk(C), box, bounds, alphas, deadline=deadline).lower
-    return partition.gather(local, C.shape[0])
+
+    def bound(part: slice) -> Tensor:
+        rows = C[part]
+        if partition is None:
+            return backward_bound(graph, graph.output.name, rows, box, bounds, alphas, deadline=deadline).lower
+        mine = partition.chunk(rows)
+        local = backward_bound(graph, graph.output.name, mine, box, bounds, alphas, deadline=deadline).lower
+        return partition.gather(local, rows.shape[0])
+
+    if alphas is not None:  # α's rows are optimised together (bounds/alpha.py sizes them)
+        return bound(slice(None))
+    estimate = backward_bytes_per_row(graph, graph.output.name, C.shape[1], C.dtype)
+    return torch.cat(run_in_chunks("crown:output", C.shape[0], estimate, bound))
+
+
+def backward_bytes_per_row(graph: BoundGraph, start: str, batch: int, dtype: torch.dtype) -> int:
+    """An upper estimate of the bytes one row of a backward pass from ``start`` holds at its peak: its
+    coefficients on every node it crosses (a dense pass's pending coefficients never exceed them) and four
+    temporaries the size of the largest (an operator's backward step, the rounding charge's ``|A|``)."""
+    sizes = [node.size for node in graph.ancestors(start)]
+    return batch * torch.empty((), dtype=dtype).element_size() * (sum(sizes) + 4 * max(sizes))
 
 
 def unstable_count(graph: BoundGraph, bounds: Mapping[str, Interval]) -> Tensor:
@@ -242,7 +261,7 @@ def intermediate_bounds(
     linear = ForwardPass(graph, box) if forward else None
     if linear is not None:
         linear.tighten(graph.input, box, bounds)
-    batch = box.lower.shape[0]
+    batch, dtype = box.lower.shape[0], box.lower.dtype
     for node in graph.nodes[1:]:
         interval = node.op.ibp(*(bounds[name] for name in node.inputs))
         if linear is not None:
@@ -263,18 +282,25 @@ def intermediate_bounds(
             if index.numel():
                 check_deadline(deadline)
                 start_alphas = alphas.get(node.name) if alphas is not None else None
-                mine = index if partition is None else index[partition.span(index.numel())]
-                if conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name):
-                    C = Patches.identity(mine, batch, node.shape, interval.lower.dtype)
+                patches = conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name)
+
+                def bound(part: slice, node=node, alphas=start_alphas, patches=patches, index=index) -> Tensor:
+                    """``[U, 2, B]``: lower and upper bounds of the neurons ``index[part]``."""
+                    chunk = index[part]
+                    mine = chunk if partition is None else chunk[partition.span(chunk.numel())]
+                    rows = Patches.identity if patches else selection_rows
+                    C = rows(mine, batch, node.shape, dtype)
+                    lower = backward_bound(graph, node.name, C, box, bounds, alphas, deadline=deadline).lower
+                    U = mine.numel()
+                    both = torch.stack([lower[:U], -lower[U:]], 1)
+                    return both if partition is None else partition.gather(both, chunk.numel())
+
+                if start_alphas is None:  # α passes are sized by α-CROWN as a whole (bounds/alpha.py)
+                    estimate = 2 * backward_bytes_per_row(graph, node.name, batch, dtype)
+                    both = torch.cat(run_in_chunks(f"crown:{node.name}", index.numel(), estimate, bound))
                 else:
-                    C = selection_rows(mine, batch, node.shape, interval.lower.dtype)
-                lower = backward_bound(graph, node.name, C, box, bounds, start_alphas, deadline=deadline).lower
-                U = mine.numel()
-                lower, upper = lower[:U], -lower[U:]
-                if partition is not None:
-                    both = partition.gather(torch.stack([lower, upper], 1), index.numel())
-                    lower, upper = both[:, 0], both[:, 1]
-                interval = _refine(interval, index, lower.T, upper.T, intersect_ibp)
+                    both = bound(slice(None))
+                interval = _refine(interval, index, both[:, 0].T, both[:, 1].T, intersect_ibp)
         bounds[node.name] = interval
         if node is graph.output:
             break
