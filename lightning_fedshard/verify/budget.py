@@ -51,9 +51,9 @@ GIB = 1 << 30
 #: A chunk's tensors are sized to this share of the free budget: the allocator holds more than the live tensors
 #: (glibc's heap kept 1.0–1.9× their bytes resident in chunked CROWN passes; docs/benchmarks.md).
 CHUNK_SHARE = 0.5
-#: The first chunk of a pass whose per-item bytes are only estimated holds at most this many items: its measured
-#: peak then sizes the rest.
-_FIRST_CHUNK_ITEMS = 1 << 14
+#: A pass above this many tensor bytes runs in chunks of this size even where it fits whole: one operator step of a
+#: whole YOLO-sized pass (8 GiB budget) took over a second, past the deadline; chunks of 512 MiB take a fraction.
+_LARGE_PASS_BYTES = 512 << 20
 _READ_EVERY_S = 0.02
 
 
@@ -119,6 +119,7 @@ class _Pace:
 
     bytes_per_item: float
     seconds_per_item: float
+    items: int
 
 
 @dataclass
@@ -201,14 +202,10 @@ class Budget:
         per item (or the measured bytes of an earlier chunk of ``what``) fit the free budget, else as many as fit.
         Raises :class:`MemoryBudgetExceeded` if not even one fits; sharded, every rank gets the least of them."""
         pace = self._paces.get(what)
-        per_item = pace.bytes_per_item if pace is not None else estimate
-        free = self.free()
-        if per_item * count <= CHUNK_SHARE * free:
-            items = count
-        else:
-            items = int(CHUNK_SHARE * free // max(per_item, 1.0))
-            if pace is None:  # the estimate is an upper bound: measure a first chunk, size the rest by it
-                items = min(items, _FIRST_CHUNK_ITEMS)
+        per_item = max(pace.bytes_per_item if pace is not None else estimate, 1.0)
+        items = min(count, int(CHUNK_SHARE * self.free() // per_item))
+        if per_item * count > _LARGE_PASS_BYTES:  # chunks short enough to keep the deadline between them
+            items = min(items, max(1, int(_LARGE_PASS_BYTES // per_item)))
         items = agree_least(items)
         if items < 1:
             raise MemoryBudgetExceeded(what, per_item + self.in_use(), self.memory)
@@ -240,7 +237,10 @@ class Budget:
             peak = meter.peak_bytes - (meter.baseline_bytes if self.device.type == "cuda" else 0)
         else:  # an enclosing meter holds this GPU's statistics: keep the estimate
             peak = self._paces[what].bytes_per_item * items if what in self._paces else 0
-        self._paces[what] = _Pace(peak / items, seconds / items)
+        # A chunk's peak and time include what does not grow with its items (the intervals a pass reads): the
+        # largest chunk measured says the most about one item.
+        if what not in self._paces or items >= self._paces[what].items:
+            self._paces[what] = _Pace(peak / items, seconds / items, items)
         self._read_at = None
 
     def check_time_for(self, what: str, items: int) -> None:
