@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.budget import time_is_up
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
 from lightning_fedshard.verify.ops import Interval
-from lightning_fedshard.verify.shard.lockstep import past
 
 __all__ = ["ATTACK_ACTIVATIONS", "newton_attack", "pgd_attack"]
 
@@ -39,7 +39,6 @@ def pgd_attack(
     steps: int = 100,
     starts: Tensor | None = None,
     generator: torch.Generator | None = None,
-    deadline: float | None = None,
 ) -> Tensor | None:
     """Projected sign-gradient descent on the spec value ``min_d max_r (M y − b)_r``; returns an input
     ``[*input shape]`` with value ``≤ 0`` (a counterexample), or ``None``.
@@ -49,7 +48,8 @@ def pgd_attack(
     with ``K`` boxes, ``starts[j]`` lies in box ``j mod K``), then ``restarts`` uniform random points per box. The
     step starts at a quarter of the box width and decays by 0.97 per step. The points go through the net in chunks
     of at most :data:`ATTACK_ACTIVATIONS` activations, and the search stops (``None``) at the first chunk that ends
-    past ``deadline``, so a step of many points on a large net does not outlive it.
+    past the run's deadline (:func:`~lightning_fedshard.verify.budget.time_is_up`), so a step of many points on a
+    large net does not outlive it.
     """
     boxes = box.lower.shape[0]
     shape = box.lower.shape[1:]
@@ -77,7 +77,7 @@ def pgd_attack(
             found = first_counterexample(graph, spec, part, value)
             if found is not None:
                 return found
-            if past(deadline):
+            if time_is_up():
                 return None
             grads.append(grad)
         if t == steps:

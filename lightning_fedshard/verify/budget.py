@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from lightning_fedshard.verify.memory import PeakMemoryMeter, cuda_meter_active
-from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree, agree_least, past
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree, agree_least, alone, past
 
 if TYPE_CHECKING:
     from lightning_fedshard.verify.config import VerifyConfig
@@ -41,9 +42,13 @@ __all__ = [
     "Budget",
     "MemoryBudgetExceeded",
     "available_memory",
+    "check_deadline",
+    "check_deadline_between_steps",
     "current_budget",
     "peak_resident_bytes",
     "run_in_chunks",
+    "seconds_left",
+    "time_is_up",
 ]
 
 T = TypeVar("T")
@@ -54,6 +59,9 @@ CHUNK_SHARE = 0.5
 #: A pass above this many tensor bytes runs in chunks of this size even where it fits whole: one operator step of a
 #: whole YOLO-sized pass (8 GiB budget) took over a second, past the deadline; chunks of 512 MiB take a fraction.
 _LARGE_PASS_BYTES = 512 << 20
+#: A pass estimated below this (and below a sixteenth of the budget) runs whole without asking what is free (ACAS
+#: Xu's passes: thousands a second).
+_SMALL_PASS_BYTES = 64 << 20
 _READ_EVERY_S = 0.02
 
 
@@ -175,6 +183,16 @@ class Budget:
         """Whether the deadline has passed (on any rank of a sharded run: they all stop together)."""
         return past(self.deadline)
 
+    @contextmanager
+    def within(self, seconds: float) -> Iterator[None]:
+        """Inside the block the deadline is at most ``seconds`` from now (a phase's share of the timeout)."""
+        saved = self.deadline
+        self.deadline = min(saved, time.monotonic() + seconds)
+        try:
+            yield
+        finally:
+            self.deadline = saved
+
     # --- memory -----------------------------------------------------------------------------------------------
     def in_use(self) -> int:
         """Bytes held now above the baseline (on the CPU read at most every 20 ms: the read costs ~20 µs, and small
@@ -203,6 +221,8 @@ class Budget:
         Raises :class:`MemoryBudgetExceeded` if not even one fits; sharded, every rank gets the least of them."""
         pace = self._paces.get(what)
         per_item = max(pace.bytes_per_item if pace is not None else estimate, 1.0)
+        if pace is None and per_item * count <= min(_SMALL_PASS_BYTES, self.memory / 16):  # the same on every rank
+            return count
         items = min(count, int(CHUNK_SHARE * self.free() // per_item))
         if per_item * count > _LARGE_PASS_BYTES:  # chunks short enough to keep the deadline between them
             items = min(items, max(1, int(_LARGE_PASS_BYTES // per_item)))
@@ -269,6 +289,34 @@ _budgets: list[Budget] = []
 def current_budget() -> Budget | None:
     """The budget of the run in progress (:meth:`Budget.using`), or ``None`` outside any: passes then run whole."""
     return _budgets[-1] if _budgets else None
+
+
+def seconds_left() -> float:
+    """Seconds to the current budget's deadline (infinite outside a budget)."""
+    budget = current_budget()
+    return math.inf if budget is None else budget.seconds_left()
+
+
+def time_is_up() -> bool:
+    """Whether the current budget's deadline has passed, on any rank of the current group (never outside a
+    budget)."""
+    budget = current_budget()
+    return past(None if budget is None else budget.deadline)
+
+
+def check_deadline() -> None:
+    """Raise :class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded` (agreed over the group) once the
+    deadline has passed: between passes."""
+    if time_is_up():
+        raise DeadlineExceeded
+
+
+def check_deadline_between_steps() -> None:
+    """:func:`check_deadline` inside a bound pass, for a rank that takes its decisions alone: there it is a clock
+    read. Ranks in lockstep check between passes only (an agreement per operator step would double the
+    collectives of a sharded pass)."""
+    if alone() and seconds_left() < 0:
+        raise DeadlineExceeded
 
 
 def run_in_chunks(what: str, count: int, estimate: float, bound: Callable[[slice], T]) -> list[T]:

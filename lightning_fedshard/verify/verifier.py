@@ -58,7 +58,7 @@ class _Run:
     """Bookkeeping of one ``verify`` call: phase timing, and the instance's budget (its deadline)."""
 
     def __init__(self, budget: Budget) -> None:
-        self.budget, self.deadline = budget, budget.deadline
+        self.budget = budget
         self.times: dict[str, float] = {}
 
     def timed(self, phase: str, fn, *args, **kwargs):
@@ -162,18 +162,18 @@ def _refine(
     for pre in layers:
         l, u = root.bounds[pre].lower, root.bounds[pre].upper
         gap[pre] = -l * u / (u - l).clamp(min=1e-12)  # the triangle's height above the ReLU
-    return refine_bounds(
-        graph,
-        box,
-        root.bounds,
-        layers,
-        integer="all" if how is Refine.MILP else "none",
-        deadline=min(run.deadline, time.monotonic() + config.refine_budget * config.timeout),
-        time_limit=config.refine_solve_limit,
-        workers=config.refine_workers,
-        order=gap,
-        layer_budget=config.refine_layer_share * config.refine_budget * config.timeout,
-    )
+    with run.budget.within(config.refine_budget * config.timeout):
+        return refine_bounds(
+            graph,
+            box,
+            root.bounds,
+            layers,
+            integer="all" if how is Refine.MILP else "none",
+            time_limit=config.refine_solve_limit,
+            workers=config.refine_workers,
+            order=gap,
+            layer_budget=config.refine_layer_share * config.refine_budget * config.timeout,
+        )
 
 
 def _bab_mode(config: VerifyConfig, graph: BoundGraph, box: Interval, unstable: int) -> BabMode:
@@ -197,7 +197,7 @@ def _verify_case(
     if any(len(d.rhs) == 0 for d in case.disjuncts):  # an unconstrained disjunct: every output is unsafe
         return _CaseAnswer(Verdict.SAT, box.center[0], "pgd")
     spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype, graph.device)
-    with torch.no_grad():
+    with torch.no_grad(), run.budget.within(config.attack_budget * config.timeout):
         x = run.timed(
             "attack",
             pgd_attack,
@@ -207,7 +207,6 @@ def _verify_case(
             _attack_restarts(config, box, spec),
             config.attack_steps,
             generator=generator,
-            deadline=min(run.deadline, time.monotonic() + config.attack_budget * config.timeout),
         )
     if x is not None:
         return _CaseAnswer(Verdict.SAT, x, "pgd")
@@ -229,10 +228,8 @@ def _verify_case(
     partition = plan.partition
 
     def crown() -> tuple[torch.Tensor, dict[str, Interval]]:
-        bounds = intermediate_bounds(
-            graph, box, intersect_ibp=config.intersect_ibp, partition=partition, deadline=run.deadline
-        )
-        lower = spec_lower(graph, spec.rows(1), box, bounds, partition=partition, deadline=run.deadline)
+        bounds = intermediate_bounds(graph, box, intersect_ibp=config.intersect_ibp, partition=partition)
+        lower = spec_lower(graph, spec.rows(1), box, bounds, partition=partition)
         return spec.margins(lower)[0], bounds
 
     with torch.no_grad():
@@ -257,7 +254,6 @@ def _verify_case(
             config.alpha_lr,
             config.alpha_lr_decay,
             stop_above=spec.threshold.view(-1, 1),
-            deadline=run.deadline,
             intersect_ibp=config.intersect_ibp,
             partition=partition,
             reference=reference,
@@ -296,7 +292,6 @@ def _verify_case(
                 spec.only(d),
                 box,
                 config,
-                run.deadline,
                 generator,
                 RootBounds(root_bounds, run.times["crown"]),
             )
@@ -310,7 +305,6 @@ def _verify_case(
                     box,
                     root.rows(spec.rows_of(d)),
                     config,
-                    run.deadline,
                     generator,
                     plan.domain_group,
                 )
@@ -435,7 +429,7 @@ def verify_files(
     start, device = time.monotonic(), resolve_device(config.device)
     budget = Budget.from_config(config, device)
     try:
-        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan, budget.deadline, device)
+        graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan, budget, device)
     except _AnsweredAtLoad as answer:
         return VerificationResult(answer.verdict, times={"load": time.monotonic() - start}, reason=answer.reason)
     forward = model_forward(onnx_path, graph)
@@ -498,7 +492,7 @@ class _AnsweredAtLoad(Exception):
 
 
 def _load_everywhere(
-    onnx_path: str | Path, vnnlib_path: str | Path, plan: ShardPlan, deadline: float, device: torch.device
+    onnx_path: str | Path, vnnlib_path: str | Path, plan: ShardPlan, budget: Budget, device: torch.device
 ) -> tuple[BoundGraph, Property]:
     """The model and the property, or :class:`_AnsweredAtLoad`; sharded, every rank of the group ends the same
     way: :class:`InstanceLoadError` if any rank failed, else the answer of any rank that reached one (a
@@ -507,7 +501,7 @@ def _load_everywhere(
     outcome: tuple[str, str] | None = None  # (verdict or "error", reason or "Type: message")
     try:
         graph = load_onnx(onnx_path, device=device)
-        prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size, deadline)
+        prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size, budget.deadline)
     except (UnsupportedModelError, UnsupportedPropertyError) as exc:
         outcome = (Verdict.UNKNOWN.value, str(exc))
     except TimeoutError as exc:

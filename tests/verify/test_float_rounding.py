@@ -7,7 +7,6 @@ may be ``unsat``."""
 
 from __future__ import annotations
 
-import time
 from fractions import Fraction
 
 import numpy as np
@@ -20,6 +19,7 @@ from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bab.pieces import prove_by_pieces
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.budget import Budget
 from lightning_fedshard.verify.config import BabMode
 from lightning_fedshard.verify.graph import Node
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
@@ -89,7 +89,8 @@ def test_relu_branch_and_bound_leaves_are_not_proven():
     graph = _net()
     spec, box = _spec_and_box(graph, (-1.0, 1.0))
     root = alpha_crown(graph, box, spec.rows(1), iterations=2)
-    outcome = branch_and_bound(graph, spec, box, root, VerifyConfig(), time.monotonic() + 20)
+    with Budget.start(timeout=20).using():
+        outcome = branch_and_bound(graph, spec, box, root, VerifyConfig())
     assert outcome.verdict is Verdict.UNKNOWN and outcome.domains_bounded > 0
 
 
@@ -108,5 +109,6 @@ def test_input_splitting_neither_proves_nor_clips_away_the_counterexample(x1, ve
     # planes, a plane from plain float32 arithmetic would show every box empty; the search runs to its deadline.
     graph = _net()
     spec, box = _spec_and_box(graph, x1)
-    outcome = input_split(graph, spec, box, VerifyConfig(), time.monotonic() + 1.5)
+    with Budget.start(timeout=1.5).using():
+        outcome = input_split(graph, spec, box, VerifyConfig())
     assert outcome.verdict is verdict

@@ -15,7 +15,6 @@ answers whose counterexamples replay.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ from lightning_fedshard.verify import (
 from lightning_fedshard.verify.bab.loop import branch_and_bound
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower, unstable_count
+from lightning_fedshard.verify.budget import Budget
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor
 from lightning_fedshard.verify.ops import Interval, Linear, ReLU, Softmax
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox
@@ -338,7 +338,8 @@ def test_branch_and_bound_with_nothing_to_split_answers_from_the_root() -> None:
     spec = OutputSpec.from_case(case, (1,), torch.float32)
     box = Interval(-torch.ones(1, 3), torch.ones(1, 3))
     root = alpha_crown(graph, box, spec.rows(1), iterations=0)
-    outcome = branch_and_bound(graph, spec, box, root, VerifyConfig(), time.monotonic() + 10)
+    with Budget.start(timeout=10).using():
+        outcome = branch_and_bound(graph, spec, box, root, VerifyConfig())
     assert outcome.verdict is Verdict.SAT  # the root's minimising corner reaches the minimum exactly
     assert float(graph(outcome.counterexample.view(1, 3))) <= minimum
 

@@ -15,6 +15,7 @@ from lightning_fedshard.verify import BoundGraph, Node, Verdict, VerifyConfig, v
 from lightning_fedshard.verify.bab import input_split as split_module
 from lightning_fedshard.verify.bab import pieces as pieces_module
 from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
+from lightning_fedshard.verify.budget import seconds_left
 from lightning_fedshard.verify.config import BabMode, InputBranching
 from lightning_fedshard.verify.memory import PeakMemoryMeter
 from lightning_fedshard.verify.objective import OutputSpec
@@ -75,8 +76,8 @@ def test_every_sub_box_bound_holds_on_points_sampled_in_it(monkeypatch):
     checked = []
     bound = split_module._bound
 
-    def checked_bound(graph, spec, boxes, deadline, known=None):
-        out, bounds = bound(graph, spec, boxes, deadline, known)
+    def checked_bound(graph, spec, boxes, known=None):
+        out, bounds = bound(graph, spec, boxes, known)
         n = boxes.lower.shape[0]
         points = boxes.lower + (boxes.upper - boxes.lower) * torch.rand(64, *boxes.lower.shape, generator=gen)
         y = graph(points.reshape(64 * n, -1)).reshape(64, n, -1)
@@ -235,7 +236,7 @@ def test_the_branching_trial_bounds_its_halves_in_chunks_with_the_scores_of_one_
     for per_pass in (240, 7):
         meter = PeakMemoryMeter(torch.device("cpu"))
         with meter, torch.no_grad():
-            scores.append(split_module._trial_scores(graph, spec, boxes, splittable, sb, per_pass, deadline=None))
+            scores.append(split_module._trial_scores(graph, spec, boxes, splittable, sb, per_pass))
         peaks.append(meter.peak_bytes)
     torch.testing.assert_close(scores[1], scores[0], rtol=1e-6, atol=1e-6)
     assert bool(torch.isfinite(scores[0]).all())
@@ -252,11 +253,11 @@ def test_a_round_of_the_search_takes_at_most_an_eighth_of_the_time_left(monkeypa
     rounds = []
     bound = split_module._bound
 
-    def slow_bound(graph, spec, boxes, deadline, known=None):
+    def slow_bound(graph, spec, boxes, known=None):
         n = boxes.lower.shape[0]
-        rounds.append((n, deadline - time.monotonic()))
+        rounds.append((n, seconds_left()))
         time.sleep(per_box * n)
-        return bound(graph, spec, boxes, deadline, known)
+        return bound(graph, spec, boxes, known)
 
     monkeypatch.setattr(split_module, "_bound", slow_bound)
     verify(graph, prop, VerifyConfig(timeout=4, bab=BabMode.INPUT, attack_restarts=0))
@@ -273,9 +274,9 @@ def test_the_root_box_is_bounded_once_from_the_verifiers_own_root_pass(monkeypat
     calls = []
     bound = split_module._bound
 
-    def recording_bound(graph, spec, boxes, deadline, known=None):
+    def recording_bound(graph, spec, boxes, known=None):
         calls.append((boxes.lower.clone(), boxes.upper.clone(), known is not None))
-        return bound(graph, spec, boxes, deadline, known)
+        return bound(graph, spec, boxes, known)
 
     monkeypatch.setattr(split_module, "_bound", recording_bound)
     rules = (InputBranching.SB, InputBranching.TRIAL)

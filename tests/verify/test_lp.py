@@ -17,6 +17,7 @@ import torch
 from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify
 from lightning_fedshard.verify.bounds import lp
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds
+from lightning_fedshard.verify.budget import Budget
 from lightning_fedshard.verify.config import BabMode, Refine
 from lightning_fedshard.verify.graph import Node
 from lightning_fedshard.verify.ops import Interval, Linear, ReLU
@@ -307,7 +308,8 @@ def test_a_solver_that_gives_up_leaves_the_bounds_alone(monkeypatch):
 def test_a_passed_deadline_skips_the_solves():
     graph = _net(0)
     start = intermediate_bounds(graph, BOX)
-    refined, stats = lp.refine_bounds(graph, BOX, start, ["fc1", "fc2"], integer="all", deadline=0.0)
+    with Budget(deadline=0.0, memory=1 << 30).using():
+        refined, stats = lp.refine_bounds(graph, BOX, start, ["fc1", "fc2"], integer="all")
     assert stats.solves == 0 and torch.equal(refined["fc2"].lower, start["fc2"].lower)
 
 

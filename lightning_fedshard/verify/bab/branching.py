@@ -87,12 +87,11 @@ def choose_branches(
     domains: DomainBatch,
     kept: dict[str, Tensor],
     candidates: int = 1,
-    deadline: float | None = None,
 ) -> Tensor:
     """Set ``domains.branch_layer`` / ``branch_neuron`` / ``branch_point``: the best-scoring neuron, or with
     ``candidates > 1`` the best of the top candidates by FSB — each candidate's two children bounded with the
     parent's α and β (no optimisation), keeping the candidate whose worse child has the highest value. Those
-    trial passes stop at the ``deadline`` (see :func:`~lightning_fedshard.verify.bounds.beta.beta_crown`).
+    trial passes stop at the run's deadline (see :func:`~lightning_fedshard.verify.bounds.beta.beta_crown`).
 
     Returns ``[N]`` booleans: whether the domain had any neuron left to split.
     """
@@ -110,9 +109,7 @@ def choose_branches(
     layer, neuron = _locate(graph, top.T.reshape(-1))  # candidate-major: [k·N]
     point = _points(graph, domains, layer, neuron, owners.repeat(k))
     trials = domains.repeat(k).split(graph.split_nodes, layer, neuron, point)  # [2·k·N]: upper halves, then lower
-    margins = spec.margins(
-        beta_crown(graph, box, spec.rows(len(trials)), trials, iterations=0, deadline=deadline).lower
-    )
+    margins = spec.margins(beta_crown(graph, box, spec.rows(len(trials)), trials, iterations=0).lower)
     value = spec.value(torch.fmax(margins, trials.margins)).view(2, k, n).min(0).values  # [k, N]
     value = torch.where(top_scores.T.isfinite(), value, -torch.inf)
     best = value.argmax(0)

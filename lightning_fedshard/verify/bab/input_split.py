@@ -3,9 +3,9 @@
 Where the input has few dimensions, splitting the box beats splitting ReLUs: every sub-box makes all bounds
 tighter at once. Each round takes a batch of open boxes (last in, first out, so the open list stays as deep as the
 search, not as wide; no more than fit the run's memory :class:`~lightning_fedshard.verify.budget.Budget`, nor than
-the last round's pace allows in an eighth of the time left), bounds them together with CROWN (its intermediate passes start
-from forward-mode bounds, :mod:`~lightning_fedshard.verify.bounds.forward`, which leave fewer neurons to refine),
-and then per box:
+the last round's pace allows in an eighth of the time left), bounds them together with CROWN (its intermediate
+passes start from forward-mode bounds, :mod:`~lightning_fedshard.verify.bounds.forward`, which leave fewer neurons
+to refine), and then per box:
 
 * drops it if some spec row is proven (a box of one disjunct is safe once any of its rows is);
 * runs the network on the minimising corner of every row's linear bound and on the centre, so counterexamples
@@ -47,13 +47,13 @@ from lightning_fedshard.verify.bab.pieces import (
 )
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound, intermediate_bounds, unstable_count
 from lightning_fedshard.verify.bounds.forward import forward_bounds, forward_bytes_per_box
-from lightning_fedshard.verify.budget import current_budget
+from lightning_fedshard.verify.budget import current_budget, seconds_left, time_is_up
 from lightning_fedshard.verify.config import InputBranching, Verdict, VerifyConfig
 from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample, free_coordinates
 from lightning_fedshard.verify.ops import Interval, flat
-from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least, past
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least
 
 __all__ = ["RootBounds", "input_split"]
 
@@ -89,7 +89,7 @@ class RootBounds:
 
     Example::
 
-        input_split(graph, spec, box, config, deadline, known_root=RootBounds(bounds, seconds=crown_seconds))
+        input_split(graph, spec, box, config, known_root=RootBounds(bounds, seconds=crown_seconds))
     """
 
     bounds: Mapping[str, Interval]
@@ -145,14 +145,13 @@ def _bound(
     graph: BoundGraph,
     spec: OutputSpec,
     boxes: Interval,
-    deadline: float,
     known: Mapping[str, Interval] | None = None,
 ) -> tuple[Backward, dict[str, Interval]]:
     """CROWN over the spec rows, and the intermediate bounds it used (``known`` ones where given: the root box's from
-    the verifier's own CROWN pass); both passes stop at the ``deadline`` (one batch of a large net takes seconds)."""
-    bounds = dict(known) if known is not None else intermediate_bounds(graph, boxes, forward=True, deadline=deadline)
+    the verifier's own CROWN pass); both passes stop at the run's deadline (one batch of a large net takes seconds)."""
+    bounds = dict(known) if known is not None else intermediate_bounds(graph, boxes, forward=True)
     rows = spec.rows(boxes.lower.shape[0])
-    return backward_bound(graph, graph.output.name, rows, boxes, bounds, deadline=deadline), bounds
+    return backward_bound(graph, graph.output.name, rows, boxes, bounds), bounds
 
 
 def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
@@ -194,12 +193,11 @@ def _trial_scores(
     splittable: Tensor,
     sb: Tensor,
     boxes_per_pass: int,
-    deadline: float,
 ) -> Tensor:
     """Per box and dimension, the shortfall below zero of both halves' forward-mode values (higher is better); of
     more than ``_TRIAL_DIMS`` dimensions only those the *sb* scores ``sb`` rank first over the batch are tried. The
     halves are bounded ``boxes_per_pass`` at a time (there are ``2 × dimensions × boxes`` of them: on a conv net
-    all at once would take tens of gigabytes), each pass stopping at the ``deadline``."""
+    all at once would take tens of gigabytes), each pass stopping at the run's deadline."""
     n, d = boxes.lower.shape
     dims = splittable.any(0).nonzero().flatten()
     if dims.numel() > _TRIAL_DIMS:
@@ -210,9 +208,9 @@ def _trial_scores(
     lower = []
     for chunk in torch.arange(len(halves), device=dims.device).split(boxes_per_pass):
         interval = halves.take(chunk).interval(graph.input.shape)
-        bounds = forward_bounds(graph, interval, deadline=deadline)
+        bounds = forward_bounds(graph, interval)
         rows = spec.rows(len(chunk))
-        lower.append(backward_bound(graph, graph.output.name, rows, interval, bounds, deadline=deadline).lower)
+        lower.append(backward_bound(graph, graph.output.name, rows, interval, bounds).lower)
     value = spec.value(spec.margins(torch.cat(lower, 1))).clamp(max=0).double().view(2, len(dims), n).sum(0)
     scores = torch.full((n, d), -torch.inf, dtype=torch.float64, device=value.device)
     scores[:, dims] = value.T
@@ -253,13 +251,13 @@ class _Search:
     def observe(self, seconds: float, boxes: int) -> None:
         self.seconds_per_box = seconds / boxes
 
-    def affordable(self, batch: int, deadline: float) -> int:
+    def affordable(self, batch: int) -> int:
         """Boxes for a round that takes at most ``_ROUND_SHARE`` of the time left at the last round's pace (at
         least 1, at most ``batch``). On ACAS Xu a box takes microseconds and this is ``batch``; on a conv net
         where one box takes seconds, a full batch of children would outlast the deadline in its first round."""
-        affordable = batch
-        if self.seconds_per_box:
-            affordable = max(1, min(batch, int(_ROUND_SHARE * (deadline - time.monotonic()) / self.seconds_per_box)))
+        affordable, left = batch, seconds_left()
+        if self.seconds_per_box and math.isfinite(left):
+            affordable = max(1, min(batch, int(_ROUND_SHARE * left / self.seconds_per_box)))
         # Sharded, the ranks' clocks differ but their rounds must hold the same boxes: the least of them.
         return agree_least(affordable)
 
@@ -274,13 +272,12 @@ def input_split(
     spec: OutputSpec,
     box: Interval,
     config: VerifyConfig,
-    deadline: float,
     generator: torch.Generator | None = None,
     known_root: RootBounds | None = None,
 ) -> BabOutcome:
     """Decide ``spec`` (one disjunct: all its rows must be ``≤ 0`` for a counterexample) over ``box [1, *input]``
     by splitting the box (see the module docs), starting from the root box's ``known_root`` bounds where given. Every
-    pass of the search stops at the ``deadline``: the answer is then ``timeout``."""
+    pass of the search stops at the run's deadline: the answer is then ``timeout``."""
     shape = graph.input.shape
     root = _Boxes(flat(box.lower, 1), flat(box.upper, 1), torch.zeros(1, dtype=torch.long, device=box.lower.device))
     min_width = (root.upper - root.lower).double() * _MIN_RELATIVE_WIDTH
@@ -300,7 +297,7 @@ def input_split(
             search = searches[turn % len(searches)]
             if not len(search):
                 return outcome(Verdict.UNKNOWN if search.stuck else Verdict.UNSAT)
-            if past(deadline):
+            if time_is_up():
                 return outcome(Verdict.TIMEOUT)
             if len(search) > config.max_input_domains:
                 return outcome(Verdict.UNKNOWN)
@@ -308,7 +305,7 @@ def input_split(
             if by_phases:
                 boxes = search.phases.pop(min(_PIECES_BATCH, boxes_per_pass))
             else:
-                boxes = search.stack.pop(search.affordable(batch, deadline))
+                boxes = search.stack.pop(search.affordable(batch))
             started, interval = time.monotonic(), boxes.interval(shape)
             from_root = known_root if not search.rounds else None
             key = torch.cat([boxes.lower, boxes.upper]).cpu().numpy().tobytes()
@@ -317,7 +314,7 @@ def input_split(
             with torch.no_grad():
                 if shared is None:
                     known = from_root.bounds if from_root is not None else None
-                    out, bounds = _bound(graph, spec, interval, deadline, known)
+                    out, bounds = _bound(graph, spec, interval, known)
                     bounded += len(boxes)
                     recent[key] = out, bounds
                     if len(recent) > _SHARED_ROUNDS:
@@ -333,22 +330,22 @@ def input_split(
             if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
                 worst = spec.value(margins).argsort()[:_ATTACK_BOXES]
                 worst_boxes = boxes.take(worst).interval(shape)
-                cex = pgd_attack(graph, spec, worst_boxes, 1, _ATTACK_STEPS, generator=generator, deadline=deadline)
+                cex = pgd_attack(graph, spec, worst_boxes, 1, _ATTACK_STEPS, generator=generator)
             if cex is not None:
                 return outcome(Verdict.SAT, cex.reshape(shape))
             with torch.no_grad():
                 open_ = ~(spec.value(margins) > 0)  # NaN is open, never proven
                 if by_phases:
-                    cex = _try_phases(graph, spec, boxes, out, bounds, open_, deadline)
+                    cex = _try_phases(graph, spec, boxes, out, bounds, open_)
                 else:
                     few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE) & pieces_apply(graph)
                     search.phases.push(boxes.take(few))
                     open_ &= ~few
                 if cex is not None:
                     return outcome(Verdict.SAT, cex.reshape(shape))
-                next_batch = search.affordable(batch, deadline)
+                next_batch = search.affordable(batch)
                 children = _branch(
-                    graph, spec, boxes, out, margins, open_, min_width, search, next_batch, boxes_per_pass, deadline
+                    graph, spec, boxes, out, margins, open_, min_width, search, next_batch, boxes_per_pass
                 )
             if paced:
                 search.observe(_pace(from_root, started), len(boxes))
@@ -380,7 +377,6 @@ def _try_phases(
     out: Backward,
     bounds: dict[str, Interval],
     open_: Tensor,
-    deadline: float,
 ) -> Tensor | None:
     """The open boxes with few unstable ReLUs tried piece by piece; the proven ones are marked closed in ``open_``
     (the others go on to be split). Returns a counterexample if a piece's minimising corner is one."""
@@ -390,7 +386,7 @@ def _try_phases(
     index = few.nonzero().flatten()
     chosen = {name: Interval(b.lower[index], b.upper[index]) for name, b in bounds.items()}
     proven, cex = prove_by_pieces(
-        graph, spec, boxes.take(index).interval(graph.input.shape), chosen, out.lower[:, index], deadline
+        graph, spec, boxes.take(index).interval(graph.input.shape), chosen, out.lower[:, index]
     )
     open_[index[proven]] = False
     return cex
@@ -407,7 +403,6 @@ def _branch(
     search: _Search,
     batch: int,
     boxes_per_pass: int,
-    deadline: float,
 ) -> _Boxes | None:
     """The children of the ``open_`` boxes: clipped, then split by the search's rule (``None``: none left)."""
     open_ = open_.nonzero().flatten()
@@ -425,7 +420,7 @@ def _branch(
         return None
     scores = _sb_scores(A, margins, boxes)
     if search.branching is InputBranching.TRIAL:
-        scores = _trial_scores(graph, spec, boxes, wide, scores, boxes_per_pass, deadline)
+        scores = _trial_scores(graph, spec, boxes, wide, scores, boxes_per_pass)
     scores = torch.where(wide, scores, -torch.inf)
     # Split along as many dimensions as keep the next batch within its size (at least one).
     k = max(1, min(int(math.log2(max(batch // len(boxes), 1))), int(wide.sum(1).min())))

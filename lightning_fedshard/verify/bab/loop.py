@@ -30,12 +30,12 @@ from lightning_fedshard.verify.bab.branching import choose_branches
 from lightning_fedshard.verify.bab.domains import DomainBatch, DomainPool
 from lightning_fedshard.verify.bounds.alpha import AlphaResult, iteration_bytes
 from lightning_fedshard.verify.bounds.beta import beta_crown
-from lightning_fedshard.verify.budget import current_budget
+from lightning_fedshard.verify.budget import current_budget, time_is_up
 from lightning_fedshard.verify.config import Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
 from lightning_fedshard.verify.ops import Interval
-from lightning_fedshard.verify.shard.lockstep import collective_device, lockstep, past
+from lightning_fedshard.verify.shard.lockstep import collective_device, lockstep
 
 __all__ = ["BabOutcome", "branch_and_bound"]
 
@@ -72,7 +72,6 @@ def _settle(
     box: Interval,
     domains: DomainBatch,
     config: VerifyConfig,
-    deadline: float | None,
 ) -> bool:
     """Whether domains with nothing left to split are proven after a longer β optimisation.
 
@@ -92,7 +91,6 @@ def _settle(
         config.beta_lr_alpha,
         10 * config.beta_lr_beta,
         stop_above=spec.threshold.view(-1, 1).expand(-1, n),
-        deadline=deadline,
     )
     margins = torch.fmax(spec.margins(result.lower), domains.margins)
     return bool((spec.value(margins) > 0).all())
@@ -140,7 +138,6 @@ def branch_and_bound(
     box: Interval,
     root: AlphaResult,
     config: VerifyConfig,
-    deadline: float,
     generator: torch.Generator | None = None,
     domain_group: dist.ProcessGroup | None = None,
 ) -> BabOutcome:
@@ -149,11 +146,11 @@ def branch_and_bound(
     kept_names = sorted({consumer.name for consumer, _ in graph.splitter.values()})
     start = DomainBatch.at_root(graph, spec, root)
     with torch.no_grad():
-        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=kept_names, deadline=deadline)
+        first = beta_crown(graph, box, spec.rows(1), start, iterations=0, keep=kept_names)
         if not graph.split_nodes:  # nothing to branch on: the root's bound is final, its corner the last candidate
             cex = _primal_counterexample(graph, spec, first.minimiser(box), start.margins)
             return BabOutcome(Verdict.UNKNOWN if cex is None else Verdict.SAT, cex, 1, 0, 1)
-    if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates, deadline).all():
+    if not choose_branches(graph, box, spec, start, first.kept, config.branching_candidates).all():
         return BabOutcome(Verdict.UNKNOWN, None, 0, 0, 1)
     parallel = _DomainParallel(domain_group) if domain_group is not None else None
     pool: DomainPool | None = DomainPool(start)
@@ -175,7 +172,7 @@ def branch_and_bound(
     while True:
         size = len(pool) if pool is not None else 0
         # The clock is each rank's own: the deadline is agreed on (the ranks of a sharded search stop together).
-        time_up, stuck_anywhere, any_open, total = past(deadline), stuck, size > 0, size
+        time_up, stuck_anywhere, any_open, total = time_is_up(), stuck, size > 0, size
         if parallel is not None:
             # Before the deal every rank holds the same domains, so rank 0 counts them.
             (total,) = parallel.totals(size if parallel.dealt or parallel.rank == 0 else 0)
@@ -195,7 +192,7 @@ def branch_and_bound(
                 if budget is not None:
                     batch = budget.items_per_chunk("bab", min(batch, size), domain_bytes)
                 cex, count, depth, round_stuck = _round(
-                    graph, spec, box, pool, batch, config, deadline, generator, rounds, kept_names, stuck
+                    graph, spec, box, pool, batch, config, generator, rounds, kept_names, stuck
                 )
             own_bounded, shared_bounded = (
                 (own_bounded + count, shared_bounded) if dealt else (0, shared_bounded + count)
@@ -217,7 +214,6 @@ def _round(
     pool: DomainPool,
     batch_size: int,
     config: VerifyConfig,
-    deadline: float,
     generator: torch.Generator | None,
     rounds: int,
     kept_names: list[str],
@@ -241,7 +237,6 @@ def _round(
             config.beta_lr_alpha,
             config.beta_lr_beta,
             stop_above=spec.threshold.view(-1, 1).expand(-1, n),
-            deadline=deadline,
             keep=kept_names,
         )
     # A child's inputs are a subset of its parent's, so the parent's row bounds hold for it too.
@@ -252,7 +247,7 @@ def _round(
     if cex is None and config.attack_every and (rounds + 1) % config.attack_every == 0:
         worst = children.margins.T.flatten().argsort()[:8]
         starts = corners.flatten(0, 1)[worst]
-        cex = pgd_attack(graph, spec, box, restarts=8, steps=20, starts=starts, generator=generator, deadline=deadline)
+        cex = pgd_attack(graph, spec, box, restarts=8, steps=20, starts=starts, generator=generator)
     if cex is not None:
         return cex, n, depth, False
     open_ = (~(spec.value(children.margins) > 0)).nonzero().flatten()  # NaN is open, never proven
@@ -260,9 +255,9 @@ def _round(
         return None, n, depth, False
     children = children.take(open_)
     kept = {name: A[:, open_] for name, A in result.kept.items()}
-    splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates, deadline)
+    splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates)
     if not bool(splittable.all()):
         unsplittable = children.take((~splittable).nonzero().flatten())
-        stuck = stuck or not _settle(graph, spec, box, unsplittable, config, deadline)
+        stuck = stuck or not _settle(graph, spec, box, unsplittable, config)
     pool.push(children.take(splittable.nonzero().flatten()))
     return None, n, depth, stuck

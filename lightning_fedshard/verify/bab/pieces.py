@@ -63,11 +63,10 @@ def prove_by_pieces(
     boxes: Interval,
     bounds: dict[str, Interval],
     lower: Tensor,
-    deadline: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Which of the ``boxes [N, *input shape]`` (with pre-activation ``bounds`` and spec row bounds ``lower [S, N]``)
     every piece proves, and a counterexample if a piece's minimising corner is one. The β-CROWN rounds stop at the
-    ``deadline`` (see :func:`~lightning_fedshard.verify.bounds.beta.beta_crown`).
+    run's deadline (see :func:`~lightning_fedshard.verify.bounds.beta.beta_crown`).
 
     Example::
 
@@ -81,9 +80,7 @@ def prove_by_pieces(
     for _ in range(_ROUNDS):
         pieces = Interval(boxes.lower[owner], boxes.upper[owner])
         stop = spec.threshold.view(-1, 1).expand(-1, len(domains))
-        result = beta_crown(
-            graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop, deadline=deadline
-        )
+        result = beta_crown(graph, pieces, spec.rows(len(domains)), domains, _ITERATIONS, *_LR, stop_above=stop)
         margins = torch.fmax(spec.margins(result.lower), domains.margins)
         domains.margins = margins
         open_ = (~(spec.value(domains.margins) > 0)).nonzero().flatten()  # NaN is open

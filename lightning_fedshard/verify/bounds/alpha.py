@@ -18,10 +18,10 @@ from torch import Tensor
 
 from lightning_fedshard.verify.bounds.adam import Adam
 from lightning_fedshard.verify.bounds.crown import backward_bytes_per_row, intermediate_bounds, spec_lower
-from lightning_fedshard.verify.budget import CHUNK_SHARE, current_budget
+from lightning_fedshard.verify.budget import CHUNK_SHARE, current_budget, time_is_up
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval
-from lightning_fedshard.verify.shard.lockstep import agree, past
+from lightning_fedshard.verify.shard.lockstep import agree
 from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = ["ALPHA_ELEMENTS", "AlphaResult", "alpha_crown", "initial_alphas", "iteration_bytes"]
@@ -97,15 +97,14 @@ def alpha_crown(
     lr: float = 0.1,
     lr_decay: float = 0.98,
     stop_above: Tensor | None = None,
-    deadline: float | None = None,
     intersect_ibp: bool = True,
     partition: RowPartition | None = None,
     reference: dict[str, Interval] | None = None,
 ) -> AlphaResult:
     """Optimise the lower bound of ``Σ C·output`` (``C [S, B, *output shape]``) over ``box``.
 
-    Stops early once every row's bound exceeds ``stop_above [S, B]`` (the property is proven), or at
-    ``deadline`` (a ``time.monotonic()`` value). ``reference`` bounds of pre-activation nodes (known valid, e.g.
+    Stops early once every row's bound exceeds ``stop_above [S, B]`` (the property is proven), or at the run's
+    deadline (:func:`~lightning_fedshard.verify.budget.time_is_up`). ``reference`` bounds of pre-activation nodes (known valid, e.g.
     refined by LP/MILP) are intersected into every intermediate bound kept. With a ``partition`` every pass bounds
     only this rank's chunk of its rows, so this rank holds only that chunk's slopes (and their optimiser state); the
     returned output slopes are gathered whole.
@@ -124,7 +123,6 @@ def alpha_crown(
             intersect_ibp=intersect_ibp,
             used_rows=refined,
             partition=partition,
-            deadline=deadline,
         )
         crown_lower = spec_lower(graph, C, box, start_bounds, partition=partition)
     refined = {pre: index for pre, index in refined.items() if index.numel()}
@@ -149,7 +147,7 @@ def alpha_crown(
     optimizer = Adam([(parameters, lr)])
     done = 0
     for done in range(1, iterations + 1):
-        if past(deadline):
+        if time_is_up():
             break
         if agree(stop_above is not None and bool((best_lower > stop_above).all())):
             break
@@ -168,7 +166,6 @@ def alpha_crown(
                     refined,
                     intersect_ibp=False,
                     partition=partition,
-                    deadline=deadline,
                 )
             for pre, best in best_bounds.items():
                 now = bounds[pre]

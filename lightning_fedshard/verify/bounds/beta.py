@@ -19,9 +19,10 @@ from torch import Tensor
 from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.adam import Adam
 from lightning_fedshard.verify.bounds.crown import Backward, backward_bound
+from lightning_fedshard.verify.budget import time_is_up
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Interval
-from lightning_fedshard.verify.shard.lockstep import agree, past
+from lightning_fedshard.verify.shard.lockstep import agree
 
 __all__ = ["beta_crown"]
 
@@ -33,10 +34,9 @@ def _bound(
     domains: DomainBatch,
     bounds: dict[str, Interval],
     keep: Collection[str],
-    deadline: float | None,
 ) -> Backward:
     terms = domains.beta_terms()
-    return backward_bound(graph, graph.output.name, C, box, bounds, domains.alphas, terms, keep, deadline)
+    return backward_bound(graph, graph.output.name, C, box, bounds, domains.alphas, terms, keep)
 
 
 def beta_crown(
@@ -48,7 +48,6 @@ def beta_crown(
     lr_alpha: float = 0.01,
     lr_beta: float = 0.05,
     stop_above: Tensor | None = None,
-    deadline: float | None = None,
     keep: Collection[str] = (),
 ) -> Backward:
     """Lower bounds ``[S, N]`` of the spec rows ``C [S, N, *output shape]`` on every domain.
@@ -56,14 +55,14 @@ def beta_crown(
     ``domains.alphas``/``domains.betas`` are updated in place to the best values found. The returned pass is
     re-run with those values, so its ``kept`` coefficients (at the nodes in ``keep``) and ``input_A`` belong to
     the returned bound. Optimisation stops early when every domain's rows exceed ``stop_above [S, N]``, and at the
-    ``deadline``: between iterations, and inside a pass (one rank alone: between its operator steps) with
+    run's deadline: between iterations, and inside a pass (one rank alone: between its operator steps) with
     :class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`.
     """
     with torch.no_grad():
         # Every node's interval once for all iterations (the splits fix them): the ops' rounding bounds are
         # computed once too (:meth:`~lightning_fedshard.verify.ops.BoundOp.rounding` keeps its last).
         bounds = graph.complete_bounds(box, domains.bounds())
-        best = _bound(graph, box, C, domains, bounds, (), deadline).lower
+        best = _bound(graph, box, C, domains, bounds, ()).lower
     if iterations:
         alphas = {k: v.clone().requires_grad_() for k, v in domains.alphas.items()}
         betas = {k: v.clone().requires_grad_() for k, v in domains.betas.items()}
@@ -72,10 +71,10 @@ def beta_crown(
         for _ in range(iterations):
             if agree(stop_above is not None and bool((best > stop_above).all())):
                 break
-            if past(deadline):
+            if time_is_up():
                 break
             with torch.enable_grad():
-                lower = _bound(graph, box, C, trial, bounds, (), deadline).lower
+                lower = _bound(graph, box, C, trial, bounds, ()).lower
                 optimizer.zero_grad()
                 (-lower.sum()).backward()
             with torch.no_grad():
@@ -91,6 +90,6 @@ def beta_crown(
                 for value in betas.values():
                     value.clamp_(min=0)
     with torch.no_grad():
-        final = _bound(graph, box, C, domains, bounds, keep, deadline)
+        final = _bound(graph, box, C, domains, bounds, keep)
     final.lower = torch.fmax(final.lower, best)
     return final

@@ -18,11 +18,10 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.verify.bounds.forward import ForwardPass
-from lightning_fedshard.verify.budget import run_in_chunks
+from lightning_fedshard.verify.budget import check_deadline, check_deadline_between_steps, run_in_chunks
 from lightning_fedshard.verify.floats import round_down, unit_roundoff
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Conv2d, Interval, Patches, ReLU, contract, contract_abs, contract_error, flat
-from lightning_fedshard.verify.shard.lockstep import check_deadline, check_deadline_between_steps
 from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = [
@@ -68,7 +67,6 @@ def backward_bound(
     alphas: Mapping[str, Tensor] | None = None,
     betas: Mapping[str, tuple[Tensor, Tensor | None]] | None = None,
     keep: Collection[str] = (),
-    deadline: float | None = None,
 ) -> Backward:
     """Lower bound of ``Σ C·start`` over ``box``; ``C [S, B, *start shape]`` dense, or :class:`Patches`.
 
@@ -79,8 +77,8 @@ def backward_bound(
     ``s·(z − p) ≥ 0`` (``s = +1`` above the split point ``p``, ``-1`` below, 0 unsplit; ``p = None``: 0):
     ``β·s`` is subtracted from the coefficients arriving there and ``Σ β·s·p`` added to the bound (dense passes
     only). Patches reaching an op without ``accepts_patches`` (Reshape, Linear) are made dense there. A one-rank
-    pass stops at the ``deadline`` between operator steps
-    (:class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`).
+    pass stops at the run's deadline between operator steps
+    (:func:`~lightning_fedshard.verify.budget.check_deadline_between_steps`).
     """
     known = {graph.input.name: box, **bounds}
 
@@ -98,7 +96,7 @@ def backward_bound(
         A = pending.pop(node.name, None)
         if A is None:
             continue
-        check_deadline_between_steps(deadline)
+        check_deadline_between_steps()
         unit = unit_roundoff(A.dtype if isinstance(A, Tensor) else A.values.dtype)
         if betas is not None and node.name in betas:
             signed, point = betas[node.name]
@@ -114,7 +112,7 @@ def backward_bound(
             continue
         if isinstance(A, Patches) and not node.op.accepts_patches:
             A = A.to_dense()
-            check_deadline_between_steps(deadline)  # densifying a large batch's rows is a step of its own
+            check_deadline_between_steps()  # densifying a large batch's rows is a step of its own
         needs_bounds = node.op.needs_input_bounds
         inputs = [interval(name) for name in node.inputs] if needs_bounds else [None] * len(node.inputs)
         alpha = alphas.get(node.name) if alphas is not None else None
@@ -149,7 +147,6 @@ def spec_lower(
     bounds: Mapping[str, Interval],
     alphas: Mapping[str, Tensor] | None = None,
     partition: RowPartition | None = None,
-    deadline: float | None = None,
 ) -> Tensor:
     """Lower bounds ``[S, B]`` of the output spec rows ``C [S, B, *output shape]``; with a ``partition`` this rank
     bounds only its chunk of the rows (``alphas`` are that chunk's) and the ranks exchange the results."""
@@ -157,9 +154,9 @@ def spec_lower(
     def bound(part: slice) -> Tensor:
         rows = C[part]
         if partition is None:
-            return backward_bound(graph, graph.output.name, rows, box, bounds, alphas, deadline=deadline).lower
+            return backward_bound(graph, graph.output.name, rows, box, bounds, alphas).lower
         mine = partition.chunk(rows)
-        local = backward_bound(graph, graph.output.name, mine, box, bounds, alphas, deadline=deadline).lower
+        local = backward_bound(graph, graph.output.name, mine, box, bounds, alphas).lower
         return partition.gather(local, rows.shape[0])
 
     if alphas is not None:  # α's rows are optimised together (bounds/alpha.py sizes them)
@@ -227,7 +224,6 @@ def intermediate_bounds(
     conv_mode: str = "patches",
     partition: RowPartition | None = None,
     forward: bool = False,
-    deadline: float | None = None,
 ) -> dict[str, Interval]:
     """Bounds of every node up to the output: interval propagation, with each bounded node (``graph.bounded``)
     tightened by CROWN on the neurons its relaxations need (``crown=False``: IBP alone).
@@ -251,8 +247,8 @@ def intermediate_bounds(
     (:class:`~lightning_fedshard.verify.bounds.forward.ForwardPass`, built from the bounds refined so far) before
     choosing the unstable neurons: cheap for few inputs, and fewer neurons left for CROWN to refine.
 
-    Before each CROWN pass the ``deadline`` (a ``time.monotonic()`` value) is checked:
-    :class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded` once it has passed.
+    Before each CROWN pass the run's deadline is checked (:func:`~lightning_fedshard.verify.budget.check_deadline`),
+    and a pass that does not fit its memory budget runs in chunks (:func:`~lightning_fedshard.verify.budget.run_in_chunks`).
     """
     if conv_mode not in ("patches", "matrix"):
         raise ValueError(f"conv_mode must be 'patches' or 'matrix', got {conv_mode!r}")
@@ -280,7 +276,7 @@ def intermediate_bounds(
             if used_rows is not None:
                 used_rows[node.name] = index
             if index.numel():
-                check_deadline(deadline)
+                check_deadline()
                 start_alphas = alphas.get(node.name) if alphas is not None else None
                 patches = conv_mode == "patches" and start_alphas is None and _behind_conv(graph, node.name)
 
@@ -290,7 +286,7 @@ def intermediate_bounds(
                     mine = chunk if partition is None else chunk[partition.span(chunk.numel())]
                     rows = Patches.identity if patches else selection_rows
                     C = rows(mine, batch, node.shape, dtype)
-                    lower = backward_bound(graph, node.name, C, box, bounds, alphas, deadline=deadline).lower
+                    lower = backward_bound(graph, node.name, C, box, bounds, alphas).lower
                     U = mine.numel()
                     both = torch.stack([lower[:U], -lower[U:]], 1)
                     return both if partition is None else partition.gather(both, chunk.numel())

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.budget import check_deadline_between_steps
 from lightning_fedshard.verify.floats import gamma, round_down, round_up, unit_roundoff
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.objective import free_coordinates
 from lightning_fedshard.verify.ops import Activation, Add, Concat, Interval, LinearOp, flat
-from lightning_fedshard.verify.shard.lockstep import check_deadline_between_steps
 
 __all__ = ["ForwardPass", "LinearFunctions", "forward_bounds", "forward_bytes_per_box"]
 
@@ -273,12 +273,11 @@ def forward_bounds(
     graph: BoundGraph,
     box: Interval,
     reference: Mapping[str, Interval] | None = None,
-    deadline: float | None = None,
 ) -> dict[str, Interval]:
     """Bounds ``[B, *shape]`` of every node up to the output over the boxes ``box [B, *input shape]``: the
     concretised forward linear functions, intersected with interval propagation (and with ``reference`` bounds,
     known valid, where given). The ReLU relaxations use these intersected bounds. A one-rank pass stops at the
-    ``deadline`` between nodes (:class:`~lightning_fedshard.verify.shard.lockstep.DeadlineExceeded`).
+    run's deadline between nodes (:func:`~lightning_fedshard.verify.budget.check_deadline_between_steps`).
 
     Example::
 
@@ -287,7 +286,7 @@ def forward_bounds(
     forward = ForwardPass(graph, box)
     bounds = {graph.input.name: forward.tighten(graph.input, box, {})}
     for node in graph.nodes[1:]:
-        check_deadline_between_steps(deadline)
+        check_deadline_between_steps()
         interval = node.op.ibp(*(bounds[name] for name in node.inputs))
         if reference is not None and node.name in reference:
             ref = reference[node.name]

@@ -38,7 +38,7 @@ failure or a timeout can only leave a bound as it was.
 
 Example::
 
-    bounds, stats = refine_bounds(graph, box, alpha.bounds, layers=["fc3", "fc4"], integer="all", deadline=...)
+    bounds, stats = refine_bounds(graph, box, alpha.bounds, layers=["fc3", "fc4"], integer="all")
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fedshard.verify.budget import seconds_left
 from lightning_fedshard.verify.floats import round_outwards
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.ops import Add, ElementwiseAffine, Interval, LeftLinear, Linear, LinearOp, ReLU, Reshape
@@ -495,7 +496,6 @@ def refine_bounds(
     bounds: dict[str, Interval],
     layers: Sequence[str],
     integer: str = "none",
-    deadline: float | None = None,
     time_limit: float = 10.0,
     workers: int = 1,
     order: dict[str, Tensor] | None = None,
@@ -505,8 +505,8 @@ def refine_bounds(
     given, each layer's program built over the bounds refined before it: an LP (``integer="none"``), or a MILP with
     binaries for the ReLU layer just before it (``"last"``) or for every ReLU before it (``"all"``).
 
-    ``time_limit`` caps one solve and ``layer_budget`` the seconds of one layer; at ``deadline`` the remaining solves
-    are skipped. ``order[layer]``, where given,
+    ``time_limit`` caps one solve and ``layer_budget`` the seconds of one layer; at the run's deadline
+    (:func:`~lightning_fedshard.verify.budget.seconds_left`) the remaining solves are skipped. ``order[layer]``, where given,
     ranks that layer's neurons (higher first): with a deadline the best-ranked ones are refined first. The side of
     a neuron nearer to zero is solved first, and the other skipped once the neuron is found stable (α,β-CROWN does
     the same).
@@ -519,7 +519,7 @@ def refine_bounds(
     bounds = {name: interval.to("cpu") for name, interval in bounds.items()}
     order = None if order is None else {name: rank.cpu() for name, rank in order.items()}
     start = time.monotonic()
-    deadline = float("inf") if deadline is None else deadline
+    deadline = time.monotonic() + seconds_left()  # the solver processes are told the time, not the budget
     stats = RefineStats()
     for layer in layers:
         if time.monotonic() >= deadline:

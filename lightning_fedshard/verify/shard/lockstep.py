@@ -19,8 +19,7 @@ __all__ = [
     "DeadlineExceeded",
     "agree",
     "agree_least",
-    "check_deadline",
-    "check_deadline_between_steps",
+    "alone",
     "collective_device",
     "lockstep",
     "past",
@@ -77,15 +76,6 @@ class DeadlineExceeded(Exception):
     long pass ends at its next step instead of after the whole pass."""
 
 
-def check_deadline(deadline: float | None) -> None:
-    """Raise :class:`DeadlineExceeded` if :func:`past` says so."""
-    if past(deadline):
-        raise DeadlineExceeded
-
-
-def check_deadline_between_steps(deadline: float | None) -> None:
-    """:func:`check_deadline` inside a bound pass, for a rank that takes its decisions alone: there it is a clock
-    read. Ranks in lockstep check between passes only (an agreement per operator step would double the
-    collectives of a sharded pass)."""
-    if _group[-1] is None and deadline is not None and time.monotonic() > deadline:
-        raise DeadlineExceeded
+def alone() -> bool:
+    """Whether this rank takes its decisions alone (no group is current)."""
+    return _group[-1] is None
