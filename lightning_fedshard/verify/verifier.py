@@ -32,7 +32,7 @@ from lightning_fedshard.verify.objective import OutputSpec, box_tensor, free_coo
 from lightning_fedshard.verify.onnx_loader import UnsupportedModelError, load_onnx, onnx_source
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.result import VerificationResult
-from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, lockstep
+from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least, lockstep
 from lightning_fedshard.verify.shard.plan import ShardPlan
 from lightning_fedshard.verify.spec import (
     Case,
@@ -347,6 +347,10 @@ def verify(
             f"{graph.input.size} and {graph.output.size}"
         )
     budget = budget or Budget.from_config(config, graph.device)
+    with lockstep(plan.lockstep_group):
+        # Sharded, every rank sizes its passes from the same budget (the least; their free memory may differ),
+        # so that they decide alike which passes run whole.
+        budget.memory = agree_least(budget.memory)
     run = _Run(budget)
     generator = torch.Generator().manual_seed(config.seed)
     result = VerificationResult(Verdict.UNSAT)

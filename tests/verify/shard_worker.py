@@ -21,6 +21,7 @@ from lightning_fedshard.bench.verify_memory import random_mlp
 from lightning_fedshard.verify import VerifyConfig, load_onnx, read_vnnlib, verify
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import intermediate_bounds, spec_lower
+from lightning_fedshard.verify.budget import Budget
 from lightning_fedshard.verify.config import Refine
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
@@ -148,6 +149,25 @@ def crown_memory(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> d
     return {"baseline": meter.baseline_bytes, "peak": meter.peak_bytes, "gathers": len(gathers)}
 
 
+def chunked_bounds(graph: BoundGraph, prop: Property, plan: ShardPlan | None) -> dict[str, object]:
+    """The pre-activation bounds and the spec bound of the property under a 24 MiB memory budget (the passes need
+    several times that, so they run in chunks), and which passes were cut."""
+    case = prop.cases[0]
+    box = box_tensor(case.box.lower, case.box.upper, graph.input.shape, graph.dtype)
+    spec = OutputSpec.from_case(case, graph.output.shape, graph.dtype)
+    partition = plan.partition if plan is not None else None
+    budget = Budget.start(timeout=600, memory_gib=24 / 1024)
+    with torch.no_grad(), lockstep(plan.lockstep_group if plan is not None else None), budget.using():
+        bounds = intermediate_bounds(graph, box, partition=partition)
+        crown = spec_lower(graph, spec.rows(1), box, bounds, partition=partition)
+    pres = set(graph.bounded)
+    return {
+        "pre": {n: (b.lower, b.upper) for n, b in bounds.items() if n in pres},
+        "crown": crown,
+        "cut": budget._tight,
+    }
+
+
 def compute(plan: ShardPlan | None, with_bab: bool = True) -> dict[str, dict]:
     """Everything the tests compare."""
     out: dict[str, dict] = {}
@@ -157,7 +177,9 @@ def compute(plan: ShardPlan | None, with_bab: bool = True) -> dict[str, dict]:
         if with_bab and run_verifier:
             out[name]["verify"] = verdict(sharded, prop, plan)
     graph, prop = wide_mlp()
-    out["wide"] = crown_memory(plan.shard(graph) if plan is not None else graph, prop, plan)
+    sharded = plan.shard(graph) if plan is not None else graph
+    out["wide"] = crown_memory(sharded, prop, plan)
+    out["wide_chunked"] = chunked_bounds(sharded, prop, plan)
     return out
 
 

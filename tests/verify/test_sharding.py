@@ -143,6 +143,18 @@ def test_row_parallel_bounds_equal_one_process_within_1e5(request, single, plan,
         assert (sharded["alpha"][:, 0] <= (y @ matrix.T).min(0).values + 1e-5).all()
 
 
+@pytest.mark.parametrize("plan", ["fsdp", "rows", "fsdp+rows"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_passes_cut_to_a_memory_budget_bound_as_one_process(request, single, plan, world):
+    """Under a 24 MiB budget the wide MLP's passes run in chunks on every rank (the ranks agree on each chunk's
+    size, or their collectives would not match) and give one process's bounds."""
+    sharded = _ranks(request, world)[0][plan]["wide_chunked"]
+    assert sharded["cut"] and sharded["cut"] == single["wide_chunked"]["cut"]
+    for got, want in zip(_flatten(sharded["pre"]), _flatten(single["wide_chunked"]["pre"]), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sharded["crown"], single["wide_chunked"]["crown"], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", SEARCHED)
 def test_domain_parallel_branch_and_bound_reaches_the_same_verdict(two_ranks, single, case):
     got, want = two_ranks[0]["rows"][case]["verify"], single[case]["verify"]
