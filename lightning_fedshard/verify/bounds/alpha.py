@@ -26,11 +26,12 @@ from lightning_fedshard.verify.shard.rows import RowPartition
 
 __all__ = ["ALPHA_ELEMENTS", "AlphaResult", "alpha_crown", "initial_alphas", "iteration_bytes"]
 
-#: Outside a memory budget (:class:`~lightning_fedshard.verify.budget.Budget`), at most this many α values (each
-#: with two Adam moments and a gradient besides: 1 GiB in all in float32). Inside one, what the budget leaves.
-#: Past it only the output pass is optimised and the intermediate passes keep CROWN's relaxations (a graph whose
-#: intermediate passes cross large non-linear layers — ReLU lookup tables of 20,000 neurons, started from hundreds
-#: of rows each — would need gigabytes); past it for the output pass alone, α-CROWN is CROWN.
+#: At most this many α values (each with two Adam moments and a gradient besides: 1 GiB in all in float32), and no
+#: more than fit the run's memory budget (:class:`~lightning_fedshard.verify.budget.Budget`) with what autograd
+#: keeps of the passes. Past it only the output pass is optimised and the intermediate passes keep CROWN's
+#: relaxations (a graph whose intermediate passes cross large non-linear layers — ReLU lookup tables of 20,000
+#: neurons, started from hundreds of rows each — would need gigabytes, and verivital's MaxPool net took 30 s
+#: instead of 6 s with them); past it for the output pass alone, α-CROWN is CROWN.
 ALPHA_ELEMENTS = 1 << 26
 #: Copies of every α an optimisation holds: the value, its gradient, Adam's two moments, the best one kept.
 _ALPHA_COPIES = 5
@@ -47,7 +48,7 @@ def _affordable(elements: int, nbytes: int) -> bool:
     """Whether α-CROWN may optimise ``elements`` α values whose iterations hold ``nbytes`` (the same answer on
     every rank of a sharded run)."""
     budget = current_budget()
-    fits = elements <= ALPHA_ELEMENTS if budget is None else nbytes <= budget.free() * CHUNK_SHARE
+    fits = elements <= ALPHA_ELEMENTS and (budget is None or nbytes <= budget.free() * CHUNK_SHARE)
     return not agree(not fits)
 
 
