@@ -8,13 +8,14 @@ Each net has a property whose box is small around an input (ε), so that every p
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from lightning_fedshard.bench.planted import export_onnx, write_robustness_vnnlib
 
 __all__ = ["LARGE_NETS", "export_net"]
 
@@ -92,18 +93,10 @@ def export_net(name: str, folder: Path, seed: int = 0) -> tuple[Path, Path]:
     net, shape = build()
     folder.mkdir(parents=True, exist_ok=True)
     onnx_path, vnnlib_path = folder / f"{name}.onnx", folder / f"{name}.vnnlib"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(net.eval(), torch.zeros(1, *shape), str(onnx_path), opset_version=13, dynamo=False)
+    export_onnx(net, shape, onnx_path)
     centre = np.random.default_rng(seed).uniform(0, 1, int(np.prod(shape)))
     with torch.no_grad():
         scores = net(torch.as_tensor(centre, dtype=torch.float32).view(1, *shape))[0]
-    outputs, label = scores.numel(), int(scores.argmax())
-    lines = [f"(declare-const X_{i} Real)" for i in range(centre.size)]
-    lines += [f"(declare-const Y_{j} Real)" for j in range(outputs)]
-    for i, c in enumerate(centre):
-        lines += [f"(assert (>= X_{i} {c - epsilon:.8f}))", f"(assert (<= X_{i} {c + epsilon:.8f}))"]
-    others = " ".join(f"(and (>= Y_{j} Y_{label}))" for j in range(outputs) if j != label)
-    lines.append(f"(assert (or {others}))")
-    vnnlib_path.write_text("\n".join(lines) + "\n")
+    label = int(scores.argmax())
+    write_robustness_vnnlib(vnnlib_path, centre, label, f"{name}, seed {seed}", epsilon, scores.numel())
     return onnx_path, vnnlib_path

@@ -82,12 +82,14 @@ __all__ = [
     "Recipe",
     "attack",
     "build",
+    "export_onnx",
     "main",
     "onnx_forward",
     "planted_counterexample",
     "run",
     "spec_value",
     "summary",
+    "write_robustness_vnnlib",
 ]
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "planted"
@@ -296,13 +298,15 @@ def onnx_forward(path: str | Path) -> Callable[[np.ndarray], np.ndarray]:
     return forward
 
 
-def _write_vnnlib(path: Path, centre: np.ndarray, label: int, note: str) -> None:
-    """The box ``centre ± EPS`` and SoundnessBench's unsafe set: some other output at least the label's."""
+def write_robustness_vnnlib(
+    path: Path, centre: np.ndarray, label: int, note: str, epsilon: float = EPS, classes: int = CLASSES
+) -> None:
+    """The box ``centre ± epsilon`` and SoundnessBench's unsafe set: some other output at least the label's."""
     lines = [f"; {note}", *(f"(declare-const X_{i} Real)" for i in range(centre.size))]
-    lines += [f"(declare-const Y_{j} Real)" for j in range(CLASSES)]
+    lines += [f"(declare-const Y_{j} Real)" for j in range(classes)]
     for i, value in enumerate(centre):
-        lines += [f"(assert (>= X_{i} {float(value - EPS)!r}))", f"(assert (<= X_{i} {float(value + EPS)!r}))"]
-    lines += ["(assert (or", *(f"    (and (>= Y_{j} Y_{label}))" for j in range(CLASSES) if j != label), "))"]
+        lines += [f"(assert (>= X_{i} {float(value - epsilon)!r}))", f"(assert (<= X_{i} {float(value + epsilon)!r}))"]
+    lines += ["(assert (or", *(f"    (and (>= Y_{j} Y_{label}))" for j in range(classes) if j != label), "))"]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -324,7 +328,8 @@ def _survives_verifier_attack(onnx: Path, vnnlib: Path) -> bool:
     return verify_files(onnx, vnnlib, VerifyConfig(method=Method.IBP, timeout=60)).verdict is not Verdict.SAT
 
 
-def _export(net: nn.Module, shape: tuple[int, ...], path: Path) -> None:
+def export_onnx(net: nn.Module, shape: tuple[int, ...], path: Path) -> None:
+    """``net`` in eval mode through the TorchScript exporter (opset 13) for a batch of one ``shape`` input."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(
@@ -343,7 +348,7 @@ def build_net(recipe: Recipe, folder: Path) -> list[tuple[str, str, bool]]:
     train(net, boxes, recipe, generator)
     print(f"{recipe.name}: trained in {time.monotonic() - start:.0f} s")
     onnx = folder / f"{recipe.name}.onnx"
-    _export(net, recipe.input_shape, onnx)
+    export_onnx(net, recipe.input_shape, onnx)
     forward = onnx_forward(onnx)
     rows: list[tuple[str, str, bool]] = []
     for i, (centre, label) in enumerate(zip(boxes.centres, boxes.labels)):
@@ -351,7 +356,7 @@ def build_net(recipe: Recipe, folder: Path) -> list[tuple[str, str, bool]]:
         kind = "planted" if planted else "control"
         stem = f"{recipe.name}_{kind}_{sum(row[2] == planted for row in rows)}"
         vnnlib = folder / f"{stem}.vnnlib"
-        _write_vnnlib(vnnlib, centre.double().numpy().ravel(), int(label), f"{kind} box {i} of {recipe.name}")
+        write_robustness_vnnlib(vnnlib, centre.double().numpy().ravel(), int(label), f"{kind} box {i} of {recipe.name}")
         case = read_vnnlib(vnnlib).cases[0]
         why_not = ""
         if spec_value(case, forward(centre.numpy())) <= 0:
