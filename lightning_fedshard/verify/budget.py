@@ -235,7 +235,7 @@ class Budget:
 
     def measuring_if_tight(self, what: str, items: int) -> AbstractContextManager[None]:
         """:meth:`measuring` once :meth:`items_per_chunk` had to cut ``what`` (a pass that always fits whole is
-        not measured: the measurement costs a heap trim and two ``/proc`` accesses)."""
+        not measured: on the CPU the live-tensor count costs ~5 µs per op, as much as a small op itself)."""
         return self.measuring(what, items) if what in self._tight else nullcontext()
 
     def items_that_fit(self, bytes_per_item: float, wanted: int) -> int:
@@ -265,7 +265,7 @@ class Budget:
 
     def check_time_for(self, what: str, items: int) -> None:
         """Raise :class:`DeadlineExceeded` (agreed over the group) if ``items`` more items of ``what``, at the
-        measured pace of its last chunk, would end past the deadline: such a chunk is not started."""
+        pace of the largest chunk of it measured, would end past the deadline: such a chunk is not started."""
         pace = self._paces.get(what)
         needed = pace.seconds_per_item * items if pace is not None else 0.0
         if agree(time.monotonic() + needed > self.deadline):
