@@ -30,7 +30,6 @@ import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
-from onnx.reference import ReferenceEvaluator
 
 from lightning_fedshard.verify.onnx_loader import (
     FLOAT_TYPES,
@@ -38,6 +37,7 @@ from lightning_fedshard.verify.onnx_loader import (
     NeedsUnbatched,
     OnnxLoadError,
     UnsupportedModelError,
+    run_node,
 )
 from lightning_fedshard.verify.ops import (
     Add,
@@ -666,9 +666,9 @@ def _transpose(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
 
 
 def _traced(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
-    """A pure data movement as :class:`Select` nodes: onnxruntime (:func:`_run_node`) runs the node on the positions
-    ``1..n`` of its input (0 where the input has none, e.g. padding), so each output element names the input
-    element it copies. Every output becomes one node (Split has several)."""
+    """A pure data movement as :class:`Select` nodes: onnxruntime (:func:`run_node`, in the model's opset) runs the
+    node on the positions ``1..n`` of its input (0 where the input has none, e.g. padding), so each output element
+    names the input element it copies. Every output becomes one node (Split has several)."""
     source = node.input[0]
     shape = ctx.onnx_shape(source)
     size = math.prod(shape)
@@ -694,7 +694,7 @@ def _traced(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
             pad_value = float(attrs["value"])
             node = _without_attribute(node, "value")
     try:
-        results = _run_node(node, feeds, ctx.opset)
+        results = run_node(node, feeds, ctx.opset)
     except Exception as err:  # onnxruntime and the reference evaluator raise many types
         raise OnnxLoadError(f"cannot trace {node.op_type}: {err}") from err
     for name, moved in zip(node.output, results, strict=False):
@@ -712,29 +712,6 @@ def _traced(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
         fill = torch.full((flat.numel(),), pad_value, dtype=torch.float64) if bool((flat < 0).any()) else None
         op = Select(flat, ctx.variable(source).shape, out_shape, fill=fill, label=node.op_type)
         ctx.emit(name, op, source)
-
-
-def _run_node(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
-    """``node`` run on ``feeds`` by onnxruntime — the runtime whose results the verifier answers for (onnx's
-    reference evaluator picks other pixels for Resize with ``align_corners``) — or, where it is not installed or
-    has no kernel for the types, by onnx's reference evaluator."""
-    try:
-        import onnxruntime
-    except ImportError:
-        return ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
-    inputs = [
-        onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
-        for name, value in feeds.items()
-    ]
-    outputs = [onnx.helper.make_empty_tensor_value_info(name) for name in node.output if name]
-    graph = onnx.helper.make_graph([node], "traced", inputs, outputs)
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-    try:
-        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    except Exception:  # noqa: BLE001 (no kernel for these types, an opset it does not run: the reference, then)
-        return ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
-    named = dict(zip([name for name in node.output if name], session.run(None, feeds), strict=True))
-    return [named.get(name) for name in node.output]
 
 
 def _without_attribute(node: onnx.NodeProto, name: str) -> onnx.NodeProto:
