@@ -414,22 +414,25 @@ def _axes(ctx: LoadContext, node: onnx.NodeProto, attrs: dict, rank: int, input_
     return sorted(a % rank for a in axes)
 
 
+def _reduced_axes(ctx: LoadContext, node: onnx.NodeProto, attrs: dict, rank: int) -> list[int]:
+    """A reduction's ONNX axes: all where none are given — none (an identity) with ``noop_with_empty_axes``."""
+    axes = _axes(ctx, node, attrs, rank)
+    if axes is None:
+        return [] if attrs.get("noop_with_empty_axes", 0) else list(range(rank))
+    return axes
+
+
 def _reduce(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
     shape = ctx.onnx_shape(node.input[0])
-    axes = _axes(ctx, node, attrs, len(shape))
-    if axes is None:
-        if attrs.get("noop_with_empty_axes", 0):
-            ctx.alias(_out(node), node.input[0])
-            return
-        axes = list(range(len(shape)))
+    axes = _reduced_axes(ctx, node, attrs, len(shape))
     keep = bool(attrs.get("keepdims", 1))
     if ctx.batched and 0 in axes:  # reducing over the batch of 1 changes nothing but its rank
         if not keep:
             raise NeedsUnbatched
         axes = [a for a in axes if a != 0]
-        if not axes:
-            ctx.alias(_out(node), node.input[0])
-            return
+    if not axes:
+        ctx.alias(_out(node), node.input[0])
+        return
     node_axes = [ctx.axis(a, len(shape)) for a in axes]
     op = Reduce(node_axes, ctx.variable(node.input[0]).shape, keepdims=keep, mean=node.op_type == "ReduceMean")
     ctx.emit(_out(node), op, node.input[0])
@@ -557,8 +560,7 @@ def _max_pool_as_relus(ctx: LoadContext, node: onnx.NodeProto, kernel: tuple[int
 
 def _reduce_max(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
     shape = ctx.onnx_shape(node.input[0])
-    axes = _axes(ctx, node, attrs, len(shape))
-    axes = list(range(len(shape))) if axes is None else axes
+    axes = _reduced_axes(ctx, node, attrs, len(shape))
     keep = bool(attrs.get("keepdims", 1))
     if ctx.batched:
         if 0 in axes and not keep:

@@ -246,6 +246,27 @@ def test_the_rewritten_nodes_are_in_the_old_form():
     assert len(new.input) == 2 and [a.name for a in new.attribute] == ["keepdims"]
 
 
+@pytest.mark.parametrize("op_type", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])
+def test_a_reduction_without_axes_and_noop_with_empty_axes_is_the_identity(op_type: str, tmp_path: Path):
+    """Opset 18's ``noop_with_empty_axes=1`` without axes: the input unchanged, not a reduction over all axes."""
+    nodes = [
+        _node(op_type, ["x"], ["r"], noop_with_empty_axes=1, keepdims=1),
+        _node("Relu", ["r"], ["z"]),
+        _node("Flatten", ["z"], ["f"], axis=1),
+        _node("MatMul", ["f", "head"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        op_type,
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3])],
+        [numpy_helper.from_array(weights(32, 3, seed=20, scale=32**-0.5), "head")],
+    )
+    path = tmp_path / f"{op_type}.onnx"
+    onnx.save(_stamped(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])), str(path))
+    _check_against_onnxruntime_and_bounds(path)
+
+
 # --------------------------------------------------------------------------------------------- exported networks
 
 
