@@ -25,6 +25,8 @@ import torch
 from onnx import helper, numpy_helper
 from torch import nn
 
+from lightning_fedshard.bench.planted import write_robustness_vnnlib
+from lightning_fedshard.verify import Verdict, VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
 from lightning_fedshard.verify.onnx_loader import load_onnx
 from lightning_fedshard.verify.ops import Interval
@@ -369,3 +371,27 @@ def test_exported_network_loads_at_every_opset_and_matches_onnxruntime(net, shap
     path = export_at(net(), shape, opset, tmp_path / f"{net.__name__}_{opset}.onnx")
     assert onnx.load(str(path)).opset_import[0].version == opset
     _check_against_onnxruntime_and_bounds(path, radius)
+
+
+def test_a_vit_exported_at_opset_9_is_verified_at_small_epsilon_and_falsified_at_large(tmp_path: Path):
+    """The 2-layer ViT, its head's bias set so that class 0 leads by 0.1 at the box centre: robust within ±0.001
+    (``unsat``), and not within ±0.5, where the counterexample replays in onnxruntime."""
+    torch.manual_seed(0)
+    vit = TinyViT().eval()
+    centre = torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        vit.head.bias -= vit(centre)[0] - torch.tensor([0.1, 0.0, 0.0])
+    path = export_at(vit, (1, 8, 8), 9, tmp_path / "vit.onnx")
+    assert int(reference_outputs(path, centre.numpy()).reshape(-1).argmax()) == 0
+    verdicts = {}
+    for epsilon in (0.001, 0.5):
+        vnnlib = tmp_path / f"vit_{epsilon}.vnnlib"
+        write_robustness_vnnlib(vnnlib, centre.numpy().reshape(-1), 0, "tiny ViT", epsilon=epsilon, classes=3)
+        result = verify_files(path, vnnlib, VerifyConfig(timeout=60))
+        verdicts[epsilon] = result.verdict
+        if result.verdict == Verdict.SAT:
+            x = result.counterexample.x.astype(np.float32)
+            assert np.all(np.abs(x - centre.numpy().reshape(-1)) <= epsilon + 1e-7)
+            outputs = reference_outputs(path, x.reshape(1, 1, 8, 8)).reshape(-1)
+            assert outputs.argmax() != 0 or outputs[1:].max() >= outputs[0]
+    assert verdicts == {0.001: Verdict.UNSAT, 0.5: Verdict.SAT}
