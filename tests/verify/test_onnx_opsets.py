@@ -15,7 +15,6 @@ arithmetic is left unfolded, as PyTorch 2.0 exported a ViT at opset 9) are check
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from onnx import helper, numpy_helper
 from torch import nn
 
 from lightning_fedshard.bench.planted import write_robustness_vnnlib
+from lightning_fedshard.bench.vit import TinyViT, export_at
 from lightning_fedshard.verify import Verdict, VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
 from lightning_fedshard.verify.onnx_loader import load_onnx
@@ -272,53 +272,6 @@ def test_a_reduction_without_axes_and_noop_with_empty_axes_is_the_identity(op_ty
 # --------------------------------------------------------------------------------------------- exported networks
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm written as ReduceMean, Sub, Pow, Sqrt and Div (as exporters before opset 17 emit it)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
-        self.bias = nn.Parameter(0.1 * torch.randn(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        centred = x - x.mean(-1, keepdim=True)
-        return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight + self.bias
-
-
-class EncoderBlock(nn.Module):
-    """Pre-norm single-head self-attention (a MatMul of two computed tensors, Softmax) and a ReLU MLP."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = LayerNorm(width), LayerNorm(width)
-        self.query, self.key, self.value, self.out = (nn.Linear(width, width) for _ in range(4))
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        scores = self.query(h) @ self.key(h).transpose(-1, -2) / h.shape[-1] ** 0.5
-        x = x + self.out(torch.softmax(scores, dim=-1) @ self.value(h))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyViT(nn.Module):
-    """A 2-layer vision transformer on 1×8×8 images: 4×4 patches embedded by a Conv, a class token by Concat,
-    learned positions, the class token's output through a linear head."""
-
-    def __init__(self, width: int = 8, classes: int = 3) -> None:
-        super().__init__()
-        self.patches = nn.Conv2d(1, width, 4, 4)
-        self.cls = nn.Parameter(0.1 * torch.randn(1, 1, width))
-        self.positions = nn.Parameter(0.1 * torch.randn(1, 5, width))
-        self.blocks = nn.Sequential(EncoderBlock(width), EncoderBlock(width))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.patches(x).flatten(2).transpose(1, 2)
-        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], 1) + self.positions
-        return self.head(self.blocks(tokens)[:, 0])
-
-
 class SmallCNN(nn.Module):
     """The convolutional operators exporters write differently across opsets: BatchNormalization, MaxPool, Pad,
     Clip (ReLU6), nearest Upsample/Resize, Split (chunk), AveragePool, Squeeze/Unsqueeze, Flatten."""
@@ -339,24 +292,6 @@ class SmallCNN(nn.Module):
         a, b = h.chunk(2, dim=1)
         h = nn.functional.avg_pool2d(nn.functional.leaky_relu(a - b, 0.1), 2)
         return self.head(h.unsqueeze(1).squeeze(1).flatten(1))
-
-
-def export_at(net: nn.Module, shape: tuple[int, ...], opset: int, path: Path) -> Path:
-    """``net`` through the TorchScript exporter at ``opset``, shape arithmetic unfolded and a symbolic batch (so
-    the graph keeps its Shape → Gather → Unsqueeze → Concat chains, in the opset's form)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the exporter's deprecation and opset notices
-        torch.onnx.export(
-            net.eval(),
-            torch.zeros(1, *shape),
-            str(path),
-            opset_version=opset,
-            dynamo=False,
-            do_constant_folding=False,
-            input_names=["x"],
-            dynamic_axes={"x": {0: "batch"}},
-        )
-    return path
 
 
 @pytest.mark.parametrize("opset", (9, 11, 13, 17))
