@@ -22,6 +22,7 @@ BENCHMARKS = {
     "abcrown": "lightning_fedshard.bench.abcrown",
     "fuzz": "lightning_fedshard.bench.fuzz",
     "planted": "lightning_fedshard.bench.planted",
+    "counting": "lightning_fedshard.bench.counting",
 }
 
 
