@@ -23,6 +23,7 @@ BENCHMARKS = {
     "fuzz": "lightning_fedshard.bench.fuzz",
     "planted": "lightning_fedshard.bench.planted",
     "vit": "lightning_fedshard.bench.vit",
+    "counting": "lightning_fedshard.bench.counting",
 }
 
 

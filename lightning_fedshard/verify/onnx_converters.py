@@ -17,8 +17,11 @@ Accepted (on tensors computed from the input; anything on constants alone is fol
   ReduceMax/ReduceMin, Mul and Div of two computed tensors (``x·x`` is the square; ``x / y = x · (1/y)``), MatMul
   of two computed tensors (products and a sum).
 
-Discrete ops on the input's path (ArgMax, OneHot, Equal, ...) are refused with the reason (the instance is
-``unknown``); any other operator is ``unsupported ONNX operator 'X' at node 'N'``.
+* discrete: ArgMax, ArgMin, OneHot of either, Equal (:mod:`~lightning_fedshard.verify.onnx_discrete`: class indicators
+  bounded from the logit margins, as counting heads use them).
+
+Other discrete ops on the input's path (comparisons, booleans, ...) are refused with the reason (the instance
+is ``unknown``); any other operator is ``unsupported ONNX operator 'X' at node 'N'``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import onnx
 import torch
 import torch.nn.functional as F
 
+from lightning_fedshard.verify.onnx_discrete import DISCRETE_CONVERTERS
 from lightning_fedshard.verify.onnx_loader import (
     FLOAT_TYPES,
     LoadContext,
@@ -80,10 +84,6 @@ Converter = Callable[[LoadContext, onnx.NodeProto, dict], None]
 
 #: Ops whose output is discrete in their input: no sound linear relaxation exists across a jump.
 DISCRETE = {
-    "ArgMax": "an index",
-    "ArgMin": "an index",
-    "OneHot": "a one-hot code",
-    "Equal": "a comparison",
     "Less": "a comparison",
     "LessOrEqual": "a comparison",
     "Greater": "a comparison",
@@ -855,6 +855,7 @@ CONVERTERS: dict[str, Converter] = {
     "Where": _where,
     "Max": _max_min,
     "Min": _max_min,
+    **DISCRETE_CONVERTERS,
     **{
         op: _traced
         for op in (

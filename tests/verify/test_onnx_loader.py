@@ -296,9 +296,9 @@ ERRORS = {
         "unsupported ONNX operator 'Erf' at node 'Erf_3'",
     ),
     "discrete_output": (
-        [helper.make_node("ArgMax", ["x"], ["y"], axis=1, name="head")],
+        [helper.make_node("IsNaN", ["x"], ["y"], name="head")],
         {},
-        "ArgMax at node 'head' computes a discrete value from the input",
+        "IsNaN at node 'head' computes a discrete value from the input",
     ),
     "computed_condition": (
         [

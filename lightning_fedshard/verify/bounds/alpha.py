@@ -180,7 +180,10 @@ def alpha_crown(
             # Sharded, each rank's objective is its own rows: the ranks' objectives sum to the whole, and the row
             # exchanges sum their gradients (replicated steps in between see only their rank's objective).
             mine = slice(None) if partition is None else partition.span(C.shape[0])
-            (-(lower[mine].sum() + lower_best[mine].sum())).backward()
+            objective = -(lower[mine].sum() + lower_best[mine].sum())
+            if agree(not objective.requires_grad):  # no slope reaches the bound (constant relaxations cut it off)
+                break
+            objective.backward()
         with torch.no_grad():
             improved = (lower_best.detach() > best_lower)[mine]
             for name, alpha in alphas[output].items():

@@ -76,6 +76,8 @@ def beta_crown(
             with torch.enable_grad():
                 lower = _bound(graph, box, C, trial, bounds, ()).lower
                 optimizer.zero_grad()
+                if agree(not lower.requires_grad):  # no slope or split reaches the bound (constant relaxations)
+                    break
                 (-lower.sum()).backward()
             with torch.no_grad():
                 improved = lower.detach() > best

@@ -2,7 +2,7 @@
 
 Affine operators derive both from their linear map (:class:`LinearOp`); the non-linear ones relax their function
 over their inputs' intervals: element-wise functions by two lines (:class:`Activation`: ReLU and the other
-piecewise-linear functions, the smooth ones, Sign and Floor), the product of two computed tensors by McCormick
+piecewise-linear functions, the smooth ones, Sign and Floor, the indicator [x > 0]), 0/1 equality (:class:`Equal`), the product of two computed tensors by McCormick
 planes (:class:`Mul`), maxima over windows (:class:`WindowMax`) and softmax as its parts.
 """
 
@@ -22,6 +22,7 @@ from lightning_fedshard.verify.ops.bilinear import Mul
 from lightning_fedshard.verify.ops.cast import RoundToFloat
 from lightning_fedshard.verify.ops.conv import Conv2d, ConvTranspose2d
 from lightning_fedshard.verify.ops.elementwise import BatchNorm, ElementwiseAffine
+from lightning_fedshard.verify.ops.indicator import ClassMargins, Equal, Positive
 from lightning_fedshard.verify.ops.linear import LeftLinear, Linear
 from lightning_fedshard.verify.ops.patches import Patches
 from lightning_fedshard.verify.ops.pool import AvgPool2d
@@ -51,12 +52,14 @@ __all__ = [
     "BatchNorm",
     "BoundOp",
     "Ceil",
+    "ClassMargins",
     "Clip",
     "Concat",
     "Conv2d",
     "ConvTranspose2d",
     "Cos",
     "ElementwiseAffine",
+    "Equal",
     "Exp",
     "Floor",
     "Interval",
@@ -69,6 +72,7 @@ __all__ = [
     "Mul",
     "Patches",
     "PiecewiseLinear",
+    "Positive",
     "Pow",
     "ReLU",
     "Reciprocal",
