@@ -22,6 +22,7 @@ BENCHMARKS = {
     "abcrown": "lightning_fedshard.bench.abcrown",
     "fuzz": "lightning_fedshard.bench.fuzz",
     "planted": "lightning_fedshard.bench.planted",
+    "vnncomp-scripts": "lightning_fedshard.bench.vnncomp_scripts",
 }
 
 

@@ -8,7 +8,6 @@ and little more."""
 from __future__ import annotations
 
 import gzip
-import os
 import re
 import shutil
 import subprocess
@@ -19,13 +18,12 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from lightning_fedshard.bench.vnncomp_scripts import SCRIPTS, runner_env
 from lightning_fedshard.verify.cli import UNSUPPORTED_STATUS
 from lightning_fedshard.verify.cli import main as verify_main
 from tests.verify.onnx_models import hand_built, reference_outputs
 from tests.verify.test_verify_cli import BOX, HEADER, SAFE, tiny_net
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ROOT / "vnncomp"
 TIMEOUT = 60
 #: y_0 − y_1 = relu(x_0) on tiny_net, so "y_0 ≥ y_1 + 0.5" is reached by every x_0 ≥ 0.5 of the box [0, 1]²
 UNSAFE_REACHED = "(assert (>= Y_0 (+ Y_1 0.5)))\n"
@@ -36,13 +34,12 @@ RTOL, ATOL = 1e-3, 1e-4
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    """The scripts' environment: this checkout's package first, and the ``fedshard`` beside this interpreter on
-    PATH (the scripts take ``fedshard`` from PATH, else the repository's ``.venv``)."""
-    bin_dir = str(Path(sys.executable).parent)
-    path = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-    if shutil.which("fedshard", path=path) is None:
+    """The runner's environment for the scripts: the ``fedshard`` beside this interpreter first on PATH, this
+    checkout first on PYTHONPATH (the scripts take ``fedshard`` from PATH, else the repository's ``.venv``)."""
+    env = {**runner_env(), "OMP_NUM_THREADS": "1"}
+    if shutil.which("fedshard", path=env["PATH"]) is None:
         pytest.skip(f"no `fedshard` command beside {sys.executable} (pip install -e . installs it)")
-    return {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return env
 
 
 def prepare(env: dict[str, str], onnx: Path, vnnlib: Path) -> subprocess.CompletedProcess:
