@@ -24,6 +24,7 @@ BENCHMARKS = {
     "planted": "lightning_fedshard.bench.planted",
     "vit": "lightning_fedshard.bench.vit",
     "counting": "lightning_fedshard.bench.counting",
+    "vnncomp-scripts": "lightning_fedshard.bench.vnncomp_scripts",
 }
 
 

@@ -26,11 +26,16 @@ from lightning_fedshard.verify.instances import (
     summarise,
     write_results,
 )
+from lightning_fedshard.verify.onnx_loader import UnsupportedModelError
 from lightning_fedshard.verify.result import VerificationResult
 from lightning_fedshard.verify.shard.plan import Strategy, TensorParallelMode
-from lightning_fedshard.verify.spec import write_result
+from lightning_fedshard.verify.spec import UnsupportedPropertyError, write_result
+from lightning_fedshard.verify.verifier import prepare_files
 
-__all__ = ["main"]
+__all__ = ["UNSUPPORTED_STATUS", "main"]
+
+#: ``--prepare``'s exit status for a well-formed instance the verifier does not take on.
+UNSUPPORTED_STATUS = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,9 +46,11 @@ def _parser() -> argparse.ArgumentParser:
         "  fedshard verify --instances mnist_fc/instances.csv --results results.csv\n"
         "  fedshard verify net.onnx prop.vnnlib --strategy fsdp --devices 2 --report r.json\n"
         "  fedshard verify --instances mnist_fc/instances.csv --strategy tp --devices 4 --group-size 2\n"
-        "  fedshard verify net.onnx prop.vnnlib --strategy fsdp+rows --devices 4\n\n"
+        "  fedshard verify net.onnx prop.vnnlib --strategy fsdp+rows --devices 4\n"
+        "  fedshard verify net.onnx prop.vnnlib --prepare\n\n"
         "exit status: 0; 1 if an answer is wrong (it contradicts the expected verdict, or a sat has no counterexample "
-        "that replays); 2 for bad input, or an instance that could not be verified (after every row is written)",
+        "that replays); 2 for bad input, or an instance that could not be verified (after every row is written); "
+        f"with --prepare {UNSUPPORTED_STATUS} for an instance the verifier does not take on",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("onnx", nargs="?", help="ONNX model (.onnx or .onnx.gz)")
@@ -54,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"seconds, positive and finite (default {VerifyConfig.timeout:g}; with --instances: each row's own)",
     )
     parser.add_argument("--result", type=Path, help="write the VNN-COMP result file here")
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="load the instance and run one forward pass, verify nothing (VNN-COMP's prepare_instance.sh): exit 0 "
+        f"if the verifier takes it on, {UNSUPPORTED_STATUS} if not (unsupported operator or property), 2 if the files "
+        "cannot be read",
+    )
     parser.add_argument("--report", type=Path, help="write root bounds, deciding method, times and memory as JSON")
     parser.add_argument("--instances", type=Path, help="a VNN-COMP instances.csv (onnx,vnnlib,timeout rows)")
     parser.add_argument("--results", type=Path, help="with --instances: one CSV row per instance")
@@ -208,6 +222,18 @@ def _parallel(args: argparse.Namespace) -> bool:
     return args.strategy != Strategy.SINGLE.value or args.devices > 1
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """``--prepare``: load the instance and warm up (:func:`prepare_files`); an instance the verifier would answer
+    ``unknown`` at load is :data:`UNSUPPORTED_STATUS`, so that VNN-COMP's runner skips it (scored ``unknown``)."""
+    try:
+        summary = prepare_files(args.onnx, args.vnnlib, _device(args))
+    except (UnsupportedModelError, UnsupportedPropertyError) as error:
+        print(f"fedshard verify: unsupported: {error}", file=sys.stderr)
+        return UNSUPPORTED_STATUS
+    print(f"prepared: {summary}")
+    return 0
+
+
 def _single(args: argparse.Namespace, config: VerifyConfig) -> int:
     instance = Instance(Path(args.onnx), Path(args.vnnlib), config.timeout)
     if not _parallel(args):
@@ -358,8 +384,10 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
         return _tables(results, scored, published, args.by)
     if args.instances is None and (args.onnx is None or args.vnnlib is None):
         parser.error("give ONNX and VNNLIB, or --instances CSV")
-    if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report):
-        parser.error("--instances runs a whole folder: do not also give ONNX/VNNLIB/--result/--report")
+    if args.instances is not None and (args.onnx or args.vnnlib or args.result or args.report or args.prepare):
+        parser.error("--instances runs a whole folder: do not also give ONNX/VNNLIB/--result/--report/--prepare")
+    if args.prepare and (args.result or args.report or _parallel(args)):
+        parser.error("--prepare verifies nothing: do not also give --result/--report/--strategy/--devices")
     _check_parallel(parser, args)
     _check_writable(parser, args)
     if args.threads is not None:
@@ -385,7 +413,7 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
         )
         if args.instances is not None:
             return _benchmark(args, config)
-        status = _single(args, config)
+        status = _prepare(args) if args.prepare else _single(args, config)
     except (OSError, ValueError) as error:
         print(f"fedshard verify: error: {error}", file=sys.stderr)
         return 2

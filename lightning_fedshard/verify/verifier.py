@@ -46,7 +46,7 @@ from lightning_fedshard.verify.spec import (
 if TYPE_CHECKING:  # the LP module needs highspy, imported where a run refines its bounds
     from lightning_fedshard.verify.bounds.lp import RefineStats
 
-__all__ = ["InstanceLoadError", "VerificationResult", "model_forward", "verify", "verify_files"]
+__all__ = ["InstanceLoadError", "VerificationResult", "model_forward", "prepare_files", "verify", "verify_files"]
 
 
 class InstanceLoadError(ValueError):
@@ -469,6 +469,34 @@ def verify_files(
         if result.counterexample_check != "ok":
             result.verdict, result.decided_by, result.counterexample = Verdict.UNKNOWN, None, None
     return result
+
+
+def prepare_files(onnx_path: str | Path, vnnlib_path: str | Path, device: str = "cpu") -> str:
+    """Load an instance without verifying it, as VNN-COMP's ``prepare_instance.sh`` runs before the clock starts:
+    the model and the property are read as :func:`verify_files` reads them, and one forward pass at the centre of
+    the first input box runs on our graph and on the model that replays counterexamples, so that the timed run
+    finds the libraries, the files and the device warm. Nothing is bounded. Returns a one-line summary.
+
+    Raises :class:`~lightning_fedshard.verify.onnx_loader.UnsupportedModelError` or
+    :class:`~lightning_fedshard.verify.spec.UnsupportedPropertyError` for an instance the verifier would answer
+    ``unknown`` at once, and ``OSError``/``ValueError`` for files that cannot be read.
+
+    Example::
+
+        prepare_files("net.onnx", "prop.vnnlib")  # '5 inputs, 5 outputs, 1 input box(es), 1 unsafe set(s)'
+    """
+    graph = load_onnx(onnx_path, device=resolve_device(device))
+    prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size)
+    box = prop.cases[0].box
+    centre = (box.lower + box.upper) / 2
+    with torch.no_grad():
+        graph(torch.as_tensor(centre, dtype=graph.dtype, device=graph.device).view(1, -1))
+    model_forward(onnx_path, graph)(centre)
+    disjuncts = sum(len(case.disjuncts) for case in prop.cases)
+    return (
+        f"{prop.num_inputs} inputs, {prop.num_outputs} outputs, {len(prop.cases)} input box(es), "
+        f"{disjuncts} unsafe set(s)"
+    )
 
 
 def _allocation_failed(error: BaseException) -> bool:
