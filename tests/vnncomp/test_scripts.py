@@ -140,10 +140,8 @@ def test_prepare_declines_an_unsupported_model(tmp_path: Path, capsys) -> None:
     an operator the verifier refuses exits UNSUPPORTED_STATUS with the reason; a good instance exits 0."""
     vnnlib = tmp_path / "safe.vnnlib"
     vnnlib.write_text(HEADER + BOX + SAFE)
-    argmax = hand_built(
-        tmp_path / "argmax.onnx", [helper.make_node("ArgMax", ["x"], ["y"], axis=1, keepdims=1)], [1, 2]
-    )
-    assert verify_main([str(argmax), str(vnnlib), "--prepare"]) == UNSUPPORTED_STATUS
-    assert "ArgMax" in capsys.readouterr().err
+    hardmax = hand_built(tmp_path / "hardmax.onnx", [helper.make_node("Hardmax", ["x"], ["y"], axis=1)], [1, 2])
+    assert verify_main([str(hardmax), str(vnnlib), "--prepare"]) == UNSUPPORTED_STATUS
+    assert "Hardmax" in capsys.readouterr().err
     assert verify_main([str(tiny_net(tmp_path / "tiny.onnx")), str(vnnlib), "--prepare"]) == 0
     assert capsys.readouterr().out.startswith("prepared: 2 inputs, 2 outputs")
