@@ -20,7 +20,7 @@ from lightning_fedshard.verify.bab.domains import DomainBatch
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.beta import beta_crown
 from lightning_fedshard.verify.objective import OutputSpec
-from lightning_fedshard.verify.ops import Interval, Mul, Pow, Sigmoid, Sin, Tanh
+from lightning_fedshard.verify.ops import Concat, Interval, Mul, Pow, Sigmoid, Sin, Tanh
 from lightning_fedshard.verify.spec import Case, Disjunct, InputBox, Property
 from tests.verify.nets import GraphBuilder
 
@@ -38,6 +38,12 @@ def _net(seed: int, kind: str):
         b.add("a0", Sin())
         b.linear("fc1", 6)
         b.add("a1", Sigmoid())
+    elif kind == "concat":  # a join of a computed branch, the input's own layer and a constant
+        b.add("a0", Sigmoid())
+        b.linear("fc0b", 3, "x")
+        b.add("join", Concat(0, [None, torch.tensor([0.5, -0.25]), None], [6, 2, 3]), "a0", "fc0b")
+        b.linear("fc1", 6)
+        b.add("a1", Tanh())
     else:  # products: (fc0)·(fc0') and a square
         b.linear("fc0b", 6, "x")
         b.add("a0", Mul(((6,), (6,)), (6,)), "fc0", "fc0b")
@@ -80,7 +86,7 @@ def _beyond_the_root(graph) -> float:
     return (root + minimum) / 2
 
 
-@pytest.mark.parametrize("kind", ["sigmoid", "sine", "products"])
+@pytest.mark.parametrize("kind", ["sigmoid", "sine", "products", "concat"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("bab", ["neuron", "input"])
 def test_branch_and_bound_agrees_with_a_dense_grid(kind: str, seed: int, bab: str) -> None:

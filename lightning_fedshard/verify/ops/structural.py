@@ -174,10 +174,12 @@ class Concat(BoundOp):
         return self
 
     def _join(self, inputs: Sequence[Tensor]) -> Tensor:
+        # Inputs may hold one batch entry or one per domain (bounds that branch-and-bound refined next to bounds of
+        # the whole box): every piece is broadcast to the largest.
+        batch = max(x.shape[0] for x in inputs)
         computed = iter(inputs)
-        batch = inputs[0].shape[0]
-        pieces = [next(computed) if p is None else p.expand(batch, *p.shape) for p in self.parts]
-        return torch.cat(pieces, dim=self.axis + 1)
+        pieces = [next(computed) if p is None else p[None] for p in self.parts]
+        return torch.cat([piece.expand(batch, *piece.shape[1:]) for piece in pieces], dim=self.axis + 1)
 
     def forward(self, *inputs: Tensor) -> Tensor:
         return self._join(inputs)
