@@ -23,6 +23,7 @@ from lightning_fedshard.verify.ops import (
     Patches,
     ReLU,
     Reshape,
+    chunks,
     contract,
 )
 from tests.verify.nets import resnet as build_resnet
@@ -108,9 +109,11 @@ def test_two_convs_compose_like_the_dense_transpose(first, second):
     conv2 = _conv(mid, 6, seed=2, **CONVS[second])
     rows = _rows(_out_shape(conv2, mid))
     patches = conv1.transpose(conv2.transpose(rows))
-    assert isinstance(patches, Patches)
-    _close(patches.to_dense(), conv1.transpose(conv2.transpose(rows.to_dense())))
-    _close(contract(patches, conv1.constant()), contract(patches.to_dense(), conv1.constant()))
+    # dilated windows after a stride-2 conv (11 × 11) cover most of the 13 × 12 image: dense (DENSE_FILL)
+    assert isinstance(patches, Patches) == (second != "dilation2" or first == "k3_s1_p1")
+    dense = patches.to_dense() if isinstance(patches, Patches) else patches
+    _close(dense, conv1.transpose(conv2.transpose(rows.to_dense())))
+    _close(contract(patches, conv1.constant()), contract(dense, conv1.constant()))
 
 
 def test_windows_larger_than_the_image_turn_dense():
@@ -119,6 +122,70 @@ def test_windows_larger_than_the_image_turn_dense():
     dense = conv.transpose(rows)
     assert isinstance(dense, torch.Tensor)
     _close(dense, conv.transpose(conv.transpose(_rows((2, 3, 3)).to_dense())))
+
+
+STEP_CONVS = {
+    **CONVS,
+    "dilation2_groups2": {"dilation": (2, 2), "groups": 2, "pads": (2, 2, 2, 2)},
+    "depthwise_s2_asymmetric": {"groups": 4, "stride": (2, 2), "pads": (0, 1, 1, 0)},
+    "dilation_s2_rect": {"kernel": (2, 3), "stride": (2, 1), "dilation": (2, 1), "pads": (1, 0, 0, 2)},
+    "one_d": {"kernel": (1, 3), "stride": (1, 2), "pads": (0, 1, 0, 0)},  # a 1-D conv as the loader builds it
+}
+
+
+def _jacobian(op: Conv2d, in_shape) -> torch.Tensor:
+    """``[out size, in size]``: the convolution as a dense fp64 matrix, by differentiating the forward map."""
+    x = torch.zeros(math.prod(in_shape), dtype=DTYPE)
+    return torch.autograd.functional.jacobian(lambda v: op.linear(v.view(1, *in_shape)).flatten(), x)
+
+
+@pytest.mark.parametrize("kwargs", list(STEP_CONVS.values()), ids=list(STEP_CONVS))
+def test_patches_steps_equal_the_dense_transposed_conv(kwargs):
+    # Each step against an independent fp64 reference: the coefficients times the convolution's Jacobian. The first
+    # step takes 1 × 1 windows (a matrix product with the kernel), the second wider ones (a transposed convolution).
+    in_shape = (4, 9, 11) if kwargs is not STEP_CONVS["one_d"] else (4, 1, 11)
+    first = _conv(in_shape, 4, seed=3, **kwargs)
+    mid = _out_shape(first, in_shape)
+    second = _conv(mid, 8, seed=4, **kwargs)
+    rows = _rows(_out_shape(second, mid), count=9)
+    dense_rows = rows.to_dense().flatten(2)
+    through_second = second.transpose(rows)
+    expected = (dense_rows @ _jacobian(second, mid)).view(*dense_rows.shape[:2], *mid)
+    _close(through_second.to_dense() if isinstance(through_second, Patches) else through_second, expected)
+    through_both = first.transpose(through_second)
+    expected = (expected.flatten(2) @ _jacobian(first, in_shape)).view(*dense_rows.shape[:2], *in_shape)
+    _close(through_both.to_dense() if isinstance(through_both, Patches) else through_both, expected)
+
+
+def test_windows_covering_most_of_the_image_turn_dense():
+    # 3 × 3 windows through a stride-2 3 × 3 kernel: 7 × 7 windows, on a 7 × 7 image dense (always), on an 8 × 8 one
+    # (0.77 of it) dense too, on a 9 × 9 one (0.60) still patches.
+    for size, dense in ((7, True), (8, True), (9, False)):
+        conv = _conv((2, size, size), 3, stride=(2, 2), pads=(1, 1, 1, 1))
+        rows = _rows(_out_shape(conv, (2, size, size)))
+        windows = Patches(
+            rows.values.expand(-1, -1, -1, 3, 3).contiguous(), rows.positions, (1, 1), (1, 1), rows.node_shape
+        )
+        out = conv.transpose(windows._zero_outside())
+        assert isinstance(out, torch.Tensor) == dense, size
+        _close(out if dense else out.to_dense(), conv.transpose(windows.to_dense()))
+
+
+def test_element_wise_work_in_many_chunks(monkeypatch):
+    # Chunks of a few rows each: products with per-pixel values, per-pixel and per-channel sums and Σ |A|·w equal
+    # those of the dense coefficients.
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)
+    shape = (4, 6, 7)
+    conv = _conv(shape, 4, seed=8, pads=(1, 1, 1, 1))
+    patches = conv.transpose(_rows(_out_shape(conv, shape), count=40))
+    assert len(patches._row_chunks(8)) > 10
+    weights = torch.rand(BATCH, *shape, generator=_gen(9), dtype=DTYPE)
+    for value in (weights, torch.randn(4, 1, 1, dtype=DTYPE)):
+        _close(contract(patches, value), contract(patches.to_dense(), value))
+        _close((patches * value).to_dense(), patches.to_dense() * value)
+    _close(patches.contract(weights, magnitudes=True), contract(patches.to_dense().abs(), weights))
+    dense = patches.to_dense()
+    _close(contract(dense, weights), (dense * weights).sum((2, 3, 4)))
 
 
 # --------------------------------------------------------------------------- element-wise operations
