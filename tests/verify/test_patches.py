@@ -186,6 +186,8 @@ def test_element_wise_work_in_many_chunks(monkeypatch):
     _close(patches.contract(weights, magnitudes=True), contract(patches.to_dense().abs(), weights))
     dense = patches.to_dense()
     _close(contract(dense, weights), (dense * weights).sum((2, 3, 4)))
+    per_row = torch.randn(dense.shape, generator=_gen(10), dtype=DTYPE)  # per-row intercepts (α's lines)
+    _close(contract(dense, per_row), (dense * per_row).sum((2, 3, 4)))
 
 
 # --------------------------------------------------------------------------- element-wise operations

@@ -103,14 +103,20 @@ def contract_error(size: int, dtype: torch.dtype) -> float:
 
 def contract(A: Tensor | Patches, value: Tensor) -> Tensor:
     """``Σ A·value`` over the node dimensions, as float64: ``A [S, B, *shape]`` (or :class:`Patches`) with ``value``
-    broadcastable to ``[B, *shape]`` (or to ``shape``) gives ``[S, B]``. Within :func:`contract_error` of the exact
-    sum: small nodes sum in ``A``'s dtype, large ones in float64."""
+    broadcastable to ``[B, *shape]`` (or to ``shape``), or one per row ``[S, B, *shape]`` (the intercepts of per-row
+    relaxations), gives ``[S, B]``. Within :func:`contract_error` of the exact sum: small nodes sum in ``A``'s dtype,
+    large ones in float64."""
     if isinstance(A, Patches):
         return A.contract(value, exact=math.prod(A.node_shape) > FLOAT32_SUMS)
     size = math.prod(A.shape[2:])
     dtype = torch.float64 if size > FLOAT32_SUMS else None
-    chunks = row_chunks(A.shape[0], 8 * math.prod(torch.broadcast_shapes(A.shape[1:], value.shape)))
-    return torch.cat([flat(A[rows] * value, 2).sum(-1, dtype=dtype) for rows in chunks]).double()
+    per_row = value.dim() == A.dim() and value.shape[0] > 1
+    row_shape = torch.broadcast_shapes(A.shape[1:], value.shape[1:] if per_row else value.shape)
+    parts = [
+        flat(A[rows] * (value[rows] if per_row else value), 2).sum(-1, dtype=dtype)
+        for rows in row_chunks(A.shape[0], 8 * math.prod(row_shape))
+    ]
+    return torch.cat(parts).double()
 
 
 def contract_abs(A: Tensor | Patches, weights: Tensor) -> Tensor:
