@@ -176,3 +176,16 @@ def test_one_hot_of_an_index_no_argmax_computed_is_refused(tmp_path: Path) -> No
     )
     with pytest.raises(UnsupportedModelError, match="OneHot at 'y' of an index that no ArgMax computed"):
         load_onnx(path)
+
+
+@pytest.mark.parametrize(("name", "bab"), [("argmax_count_constant", "input"), ("argmax_count_neuron", "neuron")])
+def test_branch_and_bound_over_a_count_that_does_not_depend_on_the_input(name: str, bab: str):
+    """``fedshard bench fuzz`` seed 7 cases 1101 and 1913 (a 3-class ArgMax of rounded scores, Equal to a mask,
+    counted): the count's bound is a constant (every margin's step relaxed flat), so the backward pass reaches no
+    input coefficients; input splitting's planes and branch-and-bound's minimising corners then failed
+    ('internal error'). They must answer without one (the witness in the property means never ``unsat``)."""
+    folder = Path(__file__).parents[1] / "data" / "fuzz_regressions"
+    config = VerifyConfig(timeout=1, bab=bab, attack_restarts=0, attack_steps=0, attack_every=0)
+    result = verify_files(folder / f"{name}.onnx", folder / f"{name}.vnnlib", config)
+    assert not result.reason.startswith("internal error"), result.reason
+    assert result.verdict is not Verdict.UNSAT

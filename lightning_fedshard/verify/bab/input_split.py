@@ -155,8 +155,12 @@ def _bound(
 
 
 def _planes(out: Backward, boxes: _Boxes) -> tuple[Tensor, Tensor]:
-    """Each row's lower linear bound ``A x + c`` over the boxes: ``A [S, N, d]``, ``c [S, N]`` (float64)."""
-    A = flat(out.input_A, 2).double()
+    """Each row's lower linear bound ``A x + c`` over the boxes: ``A [S, N, d]``, ``c [S, N]`` (float64); ``A`` is 0
+    where the bound does not depend on the input (a step's constant relaxation cut every path to it)."""
+    if out.input_A is None:
+        A = torch.zeros(*out.lower.shape, boxes.lower[0].numel(), dtype=torch.float64)
+    else:
+        A = flat(out.input_A, 2).double()
     minimum = torch.where(A >= 0, A * boxes.lower.double(), A * boxes.upper.double()).sum(-1)
     return A, out.lower.double() - minimum
 

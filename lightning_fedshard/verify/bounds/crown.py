@@ -52,8 +52,8 @@ class Backward:
 
     def minimiser(self, box: Interval) -> Tensor:
         """The box corner ``[S, B, *input shape]`` that minimises the linear bound of each row."""
-        if self.input_A is None:
-            return box.center.expand(self.lower.shape[0], *box.center.shape)
+        if self.input_A is None:  # any point minimises a constant bound: the centre, once per row and box
+            return box.center.expand(*self.lower.shape, *box.center.shape[1:])
         A = self.input_A.to_dense() if isinstance(self.input_A, Patches) else self.input_A
         return torch.where(A >= 0, box.lower, box.upper)
 
