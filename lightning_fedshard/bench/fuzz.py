@@ -7,7 +7,7 @@ loader accepts, properties placed at an output extreme found by sampling the box
     fedshard bench fuzz --replay runs/fuzz/failures/case00012-at-crown-wrong-unsat
 
 Each case is a model of one to four layers (:mod:`~lightning_fedshard.bench.fuzz_graphs`; case ``i`` starts with
-operator ``i mod 57``, so every operator comes up in any run of that many cases) over a random box. Points of the
+operator ``i mod 58``, so every operator comes up in any run of that many cases) over a random box. Points of the
 box (the centre, the corners, uniform ones) are run through onnxruntime, and a short sign-gradient search through
 ``load_onnx``'s graph, re-judged by onnxruntime, refines the best of them: ``x*`` with the extreme ``v*`` of a
 randomly chosen output or linear combination of outputs. Three VNN-LIB properties state the unsafe set as
@@ -890,7 +890,7 @@ def replay(folder: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedshard bench fuzz", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=300, help="models drawn (case i starts with operator i mod 57)")
+    parser.add_argument("--cases", type=int, default=300, help="models drawn (case i starts with operator i mod 58)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/fuzz"), help="failures/ and summary.json go here")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))

@@ -767,6 +767,36 @@ def _depth_to_space(b: GraphBuilder, x: Tensor) -> Tensor:
     return b.node("SpaceToDepth", [b.reshape(x, (1, c, 2 * h, 2 * w)).name], blocksize=2)
 
 
+def _arg_max_count(b: GraphBuilder, x: Tensor) -> Tensor:
+    """A counting head: ``C`` class scores for each of ``P`` pixels (``[1, C, P]``, a layer of ``x``; rounded to
+    integers in some models, so that ties are common), ArgMax or ArgMin over the classes (either tie rule), then
+    the pixels whose class equals a constant mask counted (Equal → Cast → ReduceSum), or the one-hot code
+    (OneHot → Cast)."""
+    classes, pixels = int(b.rng.integers(2, 4)), int(b.rng.integers(1, 6))
+    flat = b.node("Flatten", [x.name], axis=1) if x.rank != 2 or x.shape[0] != 1 else x
+    scores = b.node("Gemm", [flat.name, b.weights(flat.shape[1], classes * pixels)])
+    rounded = b.rng.random() < 0.4
+    if rounded:
+        scores = b.node("Round", [b.fit(scores, -2.0, 2.0).name])
+    scores = b.reshape(scores, (1, classes, pixels))
+    op_type = "ArgMax" if b.rng.random() < 0.75 else "ArgMin"
+    last = int(b.rng.random() < 0.5)
+    index = b.node(op_type, [scores.name], axis=1, keepdims=0, select_last_index=last)
+    if b.rng.random() < 0.6:
+        mask = b.constant(b.rng.integers(0, classes, size=(1, pixels)))
+        agree = b.node("Equal", [index.name, mask])
+        counted = b.node("Cast", [agree.name], to=b.elem)
+        out = b.node("ReduceSum", [counted.name, b.constant(np.array([1], dtype=np.int64))], keepdims=1)
+        tail = "Equal(mask) count"
+    else:
+        values = b.constant(np.array([0, 1], dtype=np.int64))
+        code = b.node("OneHot", [index.name, b.constant(np.array(classes, dtype=np.int64)), values], axis=1)
+        out = b.node("Cast", [code.name], to=b.elem)
+        tail = "OneHot"
+    b.variants.append(f"{op_type}({classes} classes{', rounded' if rounded else ''}, last={last}) {tail}")
+    return out
+
+
 OPERATORS: dict[str, Layer] = {
     "Gemm": _gemm,
     "MatMul": _matmul_constant,
@@ -825,6 +855,7 @@ OPERATORS: dict[str, Layer] = {
     "Identity": _identity,
     "Where": _where,
     "DepthToSpace/SpaceToDepth": _depth_to_space,
+    "ArgMax/ArgMin(count)": _arg_max_count,
 }
 #: Operators whose nodes read the same in opset 9 and 13: the other layers of a model with Upsample.
 OPSET9_LAYERS = ("Gemm", "Relu", "Sigmoid", "Tanh", "Abs", "Exp", "Flatten", "Reshape", "Neg", "Sin", "Cos")
