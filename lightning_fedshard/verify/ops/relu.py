@@ -9,6 +9,7 @@ dtype (the same lines, a few element-wise operations instead of a float64 search
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -96,6 +97,30 @@ class PiecewiseLinear(Activation):
         return point
 
 
+@functools.cache
+def _below_zero(dtype: torch.dtype) -> float:
+    """Minus the smallest positive number of ``dtype`` (a subnormal): the largest number below ``−0``."""
+    zero = torch.zeros((), dtype=dtype)
+    return -torch.nextafter(zero, torch.ones((), dtype=dtype)).item()
+
+
+class _Rectify(torch.autograd.Function):
+    """``max(x, 0)`` with ``clamp``'s gradient (passed where ``x ≥ 0``, ``−0`` included), the gradient by
+    ``threshold_backward`` at the largest number below ``−0``: the same mask, 28x faster than the ``where`` of clamp's
+    own backward on the attack's ``[10001, 50]`` activations (torch's CPU ``where`` slows down past ~32k elements).
+    A NaN input passes the gradient (clamp's backward stops it); the value there is NaN anyway."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, x, _below_zero(x.dtype))
+
+
 class ReLU(PiecewiseLinear):
     """``y = max(x, 0)``.
 
@@ -119,6 +144,8 @@ class ReLU(PiecewiseLinear):
     alpha_per_neuron = 1
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad and torch.is_grad_enabled():  # the attacks' gradients
+            return _Rectify.apply(x)
         return x.clamp(min=0)
 
     @staticmethod
