@@ -13,6 +13,7 @@ import torch
 
 from lightning_fedshard.verify.config import BabMode, Method, Refine, Verdict, VerifyConfig, check_timeout
 from lightning_fedshard.verify.device import DEVICE_CHOICES, check_device
+from lightning_fedshard.verify.heap import keep_freed_memory
 from lightning_fedshard.verify.instances import (
     Instance,
     read_expected,
@@ -392,6 +393,7 @@ def main(argv: list[str] | None = None, startup_counts: bool | None = None) -> i
     _check_writable(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # the bound passes' temporaries reuse pages instead of faulting in new ones
     timeout = VerifyConfig.timeout if args.timeout is None else args.timeout
     whole_process = args.instances is None and (argv is None if startup_counts is None else startup_counts)
     if whole_process:

@@ -97,6 +97,8 @@ class BoundGraph:
         #: Those nodes in topological order: the intervals CROWN tightens and branch-and-bound keeps per domain.
         self.bounded = [node.name for node in self.nodes if node.name in self.relaxations]
         self.split_nodes = [name for name in self.bounded if name in self.splitter]
+        #: The split nodes branch-and-bound splits at 0 only (a ReLU's phases): their β terms add no constant.
+        self.split_at_zero = {name for name in self.split_nodes if isinstance(self.splitter[name][0].op, ReLU)}
         #: The nodes CROWN refines, each with whether all its neurons are needed: a bounded node itself, or — where it
         #: is a larger copy of an earlier node through per-element ops (``x[:, None] − thresholds`` of a ReLU lookup
         #: table) — that node, whose refined interval then gives the copy's exactly by interval propagation.

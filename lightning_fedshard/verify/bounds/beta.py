@@ -35,7 +35,11 @@ def _bound(
     bounds: dict[str, Interval],
     keep: Collection[str],
 ) -> Backward:
-    terms = domains.beta_terms()
+    # A ReLU's split points are zeros: a pass need not add their Σ β·s·p = 0 (and its rounding charge of 0).
+    terms = {
+        name: (signed, None if name in graph.split_at_zero else point)
+        for name, (signed, point) in domains.beta_terms().items()
+    }
     return backward_bound(graph, graph.output.name, C, box, bounds, domains.alphas, terms, keep)
 
 

@@ -9,6 +9,7 @@ dtype (the same lines, a few element-wise operations instead of a float64 search
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from lightning_fedshard.verify.floats import unit_roundoff
 from lightning_fedshard.verify.ops.activation import Activation, Lines
-from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs, contract_error
+from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs, contract_error, memoized
+from lightning_fedshard.verify.ops.patches import Patches
 
 __all__ = ["Clip", "LeakyReLU", "PiecewiseLinear", "ReLU"]
 
@@ -95,6 +97,30 @@ class PiecewiseLinear(Activation):
         return point
 
 
+@functools.cache
+def _below_zero(dtype: torch.dtype) -> float:
+    """Minus the smallest positive number of ``dtype`` (a subnormal): the largest number below ``−0``."""
+    zero = torch.zeros((), dtype=dtype)
+    return -torch.nextafter(zero, torch.ones((), dtype=dtype)).item()
+
+
+class _Rectify(torch.autograd.Function):
+    """``max(x, 0)`` with ``clamp``'s gradient (passed where ``x ≥ 0``, ``−0`` included), the gradient by
+    ``threshold_backward`` at the largest number below ``−0``: the same mask, 28x faster than the ``where`` of clamp's
+    own backward on the attack's ``[10001, 50]`` activations (torch's CPU ``where`` slows down past ~32k elements).
+    A NaN input passes the gradient (clamp's backward stops it); the value there is NaN anyway."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, x, _below_zero(x.dtype))
+
+
 class ReLU(PiecewiseLinear):
     """``y = max(x, 0)``.
 
@@ -118,6 +144,8 @@ class ReLU(PiecewiseLinear):
     alpha_per_neuron = 1
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad and torch.is_grad_enabled():  # the attacks' gradients
+            return _Rectify.apply(x)
         return x.clamp(min=0)
 
     @staticmethod
@@ -151,10 +179,36 @@ class ReLU(PiecewiseLinear):
         chosen = self.adaptive_slope(pre) if alpha is None else alpha.clamp(0, 1)
         return torch.where(unstable, chosen, exact)
 
+    def _derived(self, pre: Interval) -> tuple[Tensor, Lines, Tensor]:
+        """What the relaxation takes from ``pre`` alone: the unstable neurons, CROWN's lines and the rounding bound;
+        derived once per interval (every pass of β-CROWN's iterations and of CROWN's intermediate bounds crosses
+        the ReLU over the same one), except under autograd."""
+
+        def derive() -> tuple[Tensor, Lines, Tensor]:
+            unstable = self.unstable(pre)
+            upper_slope, upper_intercept = self.upper_line(pre, unstable)
+            lines = Lines(self.lower_slope(pre, None, unstable), None, upper_slope, upper_intercept)
+            dtype = pre.lower.dtype
+            rounding = (
+                (unit_roundoff(dtype) + contract_error(pre.lower[0].numel(), dtype)) * (1 + 2**-20) * pre.magnitude
+            )
+            return unstable, lines, rounding
+
+        if pre.lower.requires_grad or pre.upper.requires_grad:
+            return derive()
+        return memoized(self, "relax", [pre], derive)
+
     def relax(self, pre: Interval, alpha: Tensor | None = None) -> Lines:
-        unstable = self.unstable(pre)
-        upper_slope, upper_intercept = self.upper_line(pre, unstable)
-        return Lines(self.lower_slope(pre, alpha, unstable), None, upper_slope, upper_intercept)
+        unstable, lines, _ = self._derived(pre)
+        if alpha is None:
+            return lines
+        return Lines(self.lower_slope(pre, alpha, unstable), None, lines.upper_slope, lines.upper_bias)
+
+    def line_rounding(self, lines: Lines, pre: Interval) -> Tensor:
+        if pre.lower.requires_grad or pre.upper.requires_grad or lines is not self._derived(pre)[1]:
+            return super().line_rounding(lines, pre)
+        # CROWN's own lines: once per interval, as they are (forward-mode bounds charge it per node and box).
+        return memoized(self, "line_rounding", [pre], lambda: super(ReLU, self).line_rounding(lines, pre))
 
     def ibp(self, x: Interval) -> Interval:
         return Interval(x.lower.clamp(min=0), x.upper.clamp(min=0))
@@ -162,16 +216,17 @@ class ReLU(PiecewiseLinear):
     def rounding(self, inputs):
         """Exact in the model; the backward step rounds its products with slopes in [0, 1] (``u·|A|·|x|``) and sums
         those with intercepts up to ``|l|`` (:func:`~.base.contract_error`)."""
-        (pre,) = inputs
-        dtype = pre.lower.dtype
-        return (unit_roundoff(dtype) + contract_error(pre.lower[0].numel(), dtype)) * (1 + 2**-20) * pre.magnitude
+        return self._derived(inputs[0])[2]
 
     def backward(self, A, inputs, alpha=None):
         # Activation's step without its check for infinite intercepts (a ReLU's are finite on finite bounds).
         lines = self.relax(inputs[0], alpha)
         A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
         term = contract(A_neg, lines.upper_bias) - contract_abs(A, self.rounding(inputs))
-        return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], term
+        if isinstance(A, Patches):
+            return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], term
+        # One of the two products is zero, so the fused multiply-add rounds as the sum of the two would.
+        return [torch.addcmul(A_neg * lines.upper_slope, A_pos, lines.lower_slope)], term
 
     def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor:
         return self.adaptive_slope(inputs[0])
