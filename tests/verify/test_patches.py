@@ -175,6 +175,7 @@ def test_element_wise_work_in_many_chunks(monkeypatch):
     # Chunks of a few rows each: products with per-pixel values, per-pixel and per-channel sums and Σ |A|·w equal
     # those of the dense coefficients.
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunks, "WHOLE_BYTES", 4096)
     shape = (4, 6, 7)
     conv = _conv(shape, 4, seed=8, pads=(1, 1, 1, 1))
     patches = conv.transpose(_rows(_out_shape(conv, shape), count=40))

@@ -13,14 +13,20 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["CHUNK_BYTES", "row_chunks"]
+__all__ = ["CHUNK_BYTES", "WHOLE_BYTES", "row_chunks"]
 
 CHUNK_BYTES = 1 << 21
+#: Temporaries up to this size are made whole: :func:`~lightning_fedshard.verify.heap.keep_freed_memory` keeps
+#: blocks below 32 MiB in the heap, so they reuse pages, and chunks of small work only add operations (ACAS Xu's
+#: input splitting, ``[rows, 2,000 boxes, 50]``, ran 10 % slower cut into rows).
+WHOLE_BYTES = 16 * CHUNK_BYTES
 
 
 def row_chunks(rows: int, bytes_per_row: int) -> list[slice]:
     """Slices covering ``range(rows)`` whose temporaries of ``bytes_per_row`` per row hold about
-    :data:`CHUNK_BYTES` each (at least one row; one empty slice for no rows, so that a concatenation of the parts
-    keeps its shape)."""
+    :data:`CHUNK_BYTES` each (at least one row) — or one slice of all rows where they hold at most
+    :data:`WHOLE_BYTES` together (also for no rows, so that a concatenation of the parts keeps its shape)."""
+    if rows * bytes_per_row <= WHOLE_BYTES:
+        return [slice(0, rows)]
     step = max(1, CHUNK_BYTES // max(1, bytes_per_row))
-    return [slice(first, first + step) for first in range(0, rows, step)] or [slice(0, 0)]
+    return [slice(first, first + step) for first in range(0, rows, step)]
