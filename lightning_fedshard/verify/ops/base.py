@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -47,10 +46,7 @@ __all__ = [
     "contract_error",
     "enclose",
     "flat",
-    "memoized",
 ]
-
-T = TypeVar("T")
 
 
 def flat(t: Tensor, start: int) -> Tensor:
@@ -258,37 +254,27 @@ class BoundOp(ABC):
 
 
 class _Memo:
-    """What an op last derived from its input intervals (a rounding bound, a relaxation), with the interval tensors
-    it was derived from: a bound pass that crosses the op again over the same intervals (the iterations of β-CROWN,
-    the intermediate passes of CROWN) reuses it."""
+    """The last rounding bound an op computed, with the interval tensors it was computed from: a bound pass that
+    crosses an op again over the same intervals (the iterations of β-CROWN, the intermediate passes of CROWN)
+    reuses it instead of another product with ``|W|``."""
 
-    def __init__(self, inputs: Sequence[Interval], value: object) -> None:
+    def __init__(self, inputs: Sequence[Interval], mapped: bool, value: Tensor | None) -> None:
         self.keys = [(weakref.ref(x.lower), x.lower._version, weakref.ref(x.upper), x.upper._version) for x in inputs]
-        self.value = value
+        self.mapped, self.value = mapped, value
 
-    def matches(self, inputs: Sequence[Interval]) -> bool:
-        return len(inputs) == len(self.keys) and all(
-            lower() is x.lower and upper() is x.upper and (low, high) == (x.lower._version, x.upper._version)
-            for x, (lower, low, upper, high) in zip(inputs, self.keys, strict=True)
+    def matches(self, inputs: Sequence[Interval], mapped: bool) -> bool:
+        return (
+            mapped == self.mapped
+            and len(inputs) == len(self.keys)
+            and all(
+                lower() is x.lower and upper() is x.upper and (low, high) == (x.lower._version, x.upper._version)
+                for x, (lower, low, upper, high) in zip(inputs, self.keys, strict=True)
+            )
         )
 
 
-#: Per op and kind of value, the last one it derived (held beside the op rather than on it: ops are copied and
-#: sharded).
-_MEMOS: weakref.WeakKeyDictionary[BoundOp, dict[str, _Memo]] = weakref.WeakKeyDictionary()
-
-
-def memoized(op: BoundOp, kind: str, inputs: Sequence[Interval], derive: Callable[[], T]) -> T:
-    """``derive()``, or what it returned when ``op`` last derived its ``kind`` of value from the same interval
-    tensors ``inputs`` (unchanged since). Not for values that carry autograd history: a second backward through them
-    would fail."""
-    memos = _MEMOS.setdefault(op, {})
-    memo = memos.get(kind)
-    if memo is not None and memo.matches(inputs):
-        return memo.value
-    value = derive()
-    memos[kind] = _Memo(inputs, value)
-    return value
+#: Per op, its last rounding bound (held beside the op rather than on it: ops are copied and sharded).
+_MEMOS: weakref.WeakKeyDictionary[BoundOp, _Memo] = weakref.WeakKeyDictionary()
 
 
 class LinearOp(BoundOp):
@@ -376,13 +362,14 @@ class LinearOp(BoundOp):
         if not self.needs_input_bounds:
             constant = self.constant()
             return None if constant is None else self._error(None, constant.dtype, mapped)
+        memo = _MEMOS.get(self)
+        if memo is not None and memo.matches(inputs, mapped):
+            return memo.value
         (x,) = inputs
-
-        def derive() -> Tensor | None:
-            with torch.no_grad():
-                return self._error(self.abs_linear(x.magnitude), x.lower.dtype, mapped)
-
-        return memoized(self, "map_rounding" if mapped else "rounding", inputs, derive)
+        with torch.no_grad():
+            value = self._error(self.abs_linear(x.magnitude), x.lower.dtype, mapped)
+        _MEMOS[self] = _Memo(inputs, mapped, value)
+        return value
 
     def rounding(self, inputs: Sequence[Interval | None]) -> Tensor | None:
         return self._rounding(inputs, mapped=False)

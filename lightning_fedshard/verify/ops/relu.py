@@ -19,8 +19,7 @@ from torch import Tensor
 
 from lightning_fedshard.verify.floats import unit_roundoff
 from lightning_fedshard.verify.ops.activation import Activation, Lines
-from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs, contract_error, memoized
-from lightning_fedshard.verify.ops.patches import Patches
+from lightning_fedshard.verify.ops.base import Interval, contract, contract_abs, contract_error
 
 __all__ = ["Clip", "LeakyReLU", "PiecewiseLinear", "ReLU"]
 
@@ -179,36 +178,10 @@ class ReLU(PiecewiseLinear):
         chosen = self.adaptive_slope(pre) if alpha is None else alpha.clamp(0, 1)
         return torch.where(unstable, chosen, exact)
 
-    def _derived(self, pre: Interval) -> tuple[Tensor, Lines, Tensor]:
-        """What the relaxation takes from ``pre`` alone: the unstable neurons, CROWN's lines and the rounding bound;
-        derived once per interval (every pass of β-CROWN's iterations and of CROWN's intermediate bounds crosses
-        the ReLU over the same one), except under autograd."""
-
-        def derive() -> tuple[Tensor, Lines, Tensor]:
-            unstable = self.unstable(pre)
-            upper_slope, upper_intercept = self.upper_line(pre, unstable)
-            lines = Lines(self.lower_slope(pre, None, unstable), None, upper_slope, upper_intercept)
-            dtype = pre.lower.dtype
-            rounding = (
-                (unit_roundoff(dtype) + contract_error(pre.lower[0].numel(), dtype)) * (1 + 2**-20) * pre.magnitude
-            )
-            return unstable, lines, rounding
-
-        if pre.lower.requires_grad or pre.upper.requires_grad:
-            return derive()
-        return memoized(self, "relax", [pre], derive)
-
     def relax(self, pre: Interval, alpha: Tensor | None = None) -> Lines:
-        unstable, lines, _ = self._derived(pre)
-        if alpha is None:
-            return lines
-        return Lines(self.lower_slope(pre, alpha, unstable), None, lines.upper_slope, lines.upper_bias)
-
-    def line_rounding(self, lines: Lines, pre: Interval) -> Tensor:
-        if pre.lower.requires_grad or pre.upper.requires_grad or lines is not self._derived(pre)[1]:
-            return super().line_rounding(lines, pre)
-        # CROWN's own lines: once per interval, as they are (forward-mode bounds charge it per node and box).
-        return memoized(self, "line_rounding", [pre], lambda: super(ReLU, self).line_rounding(lines, pre))
+        unstable = self.unstable(pre)
+        upper_slope, upper_intercept = self.upper_line(pre, unstable)
+        return Lines(self.lower_slope(pre, alpha, unstable), None, upper_slope, upper_intercept)
 
     def ibp(self, x: Interval) -> Interval:
         return Interval(x.lower.clamp(min=0), x.upper.clamp(min=0))
@@ -216,17 +189,16 @@ class ReLU(PiecewiseLinear):
     def rounding(self, inputs):
         """Exact in the model; the backward step rounds its products with slopes in [0, 1] (``u·|A|·|x|``) and sums
         those with intercepts up to ``|l|`` (:func:`~.base.contract_error`)."""
-        return self._derived(inputs[0])[2]
+        (pre,) = inputs
+        dtype = pre.lower.dtype
+        return (unit_roundoff(dtype) + contract_error(pre.lower[0].numel(), dtype)) * (1 + 2**-20) * pre.magnitude
 
     def backward(self, A, inputs, alpha=None):
         # Activation's step without its check for infinite intercepts (a ReLU's are finite on finite bounds).
         lines = self.relax(inputs[0], alpha)
         A_pos, A_neg = A.clamp(min=0), A.clamp(max=0)
         term = contract(A_neg, lines.upper_bias) - contract_abs(A, self.rounding(inputs))
-        if isinstance(A, Patches):
-            return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], term
-        # One of the two products is zero, so the fused multiply-add rounds as the sum of the two would.
-        return [torch.addcmul(A_neg * lines.upper_slope, A_pos, lines.lower_slope)], term
+        return [A_pos * lines.lower_slope + A_neg * lines.upper_slope], term
 
     def initial_alpha(self, inputs: Sequence[Interval]) -> Tensor:
         return self.adaptive_slope(inputs[0])
