@@ -24,6 +24,7 @@ __all__ = [
     "Transfer",
     "check_finite",
     "make_codec",
+    "non_finite_error",
     "non_finite_flag",
     "raise_if_any_non_finite",
     "register_codec",
@@ -149,10 +150,15 @@ def make_codec(name: str | Codec, bits: float | None = None) -> Codec:
 def check_finite(x: Tensor, codec: str) -> None:
     """Quantizers have no code for NaN or Inf: fail loudly instead of sending garbage to every rank."""
     if not bool(torch.isfinite(x).all()):
-        raise ValueError(
-            f"{codec}: the tensor holds NaN or Inf values, which the codec cannot encode "
-            "(a diverged step or an fp16 overflow); skip the step."
-        )
+        raise non_finite_error(codec)
+
+
+def non_finite_error(codec: str) -> ValueError:
+    """The error of ``check_finite`` (also raised by kernels that detect NaN or Inf on the device)."""
+    return ValueError(
+        f"{codec}: the tensor holds NaN or Inf values, which the codec cannot encode "
+        "(a diverged step or an fp16 overflow); skip the step."
+    )
 
 
 def non_finite_flag(x: Tensor, rank: int) -> Tensor:

@@ -34,6 +34,7 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
     MAX_WIDTH,
     SIDE_BYTES_PER_SG,
     SUPER_GROUP,
+    device_constants,
     dither,
     dither_key,
     hash_uniform,
@@ -41,7 +42,6 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
     message_fields,
     message_header,
     payload_offsets,
-    scale_table,
     split_message,
 )
 
@@ -95,7 +95,6 @@ class DynamiQCodec(Codec):
         self.world_size: int | None = None
         # Without a planned collective (a lone encode), one message gets the whole budget.
         self.base = math.floor(8 * (bits - _SIDE_BITS))
-        self._tables: dict[torch.device, Tensor] = {}
         self._buffers: dict[tuple, Tensor] = {}
 
     # ------------------------------------------------------------------ budget
@@ -132,11 +131,6 @@ class DynamiQCodec(Codec):
         return chunks
 
     # ------------------------------------------------------------------ codec
-    def _table(self, device: torch.device) -> Tensor:
-        if device not in self._tables:
-            self._tables[device] = scale_table(device)
-        return self._tables[device]
-
     def _dither_params(self, summands: int) -> tuple[int, bool]:
         """Seed of this call's dither, and whether this hop rounds with the antithetic ``1 - u``."""
         return self.seed * 1_000_003 + self.calls, summands % 2 == 0
@@ -180,7 +174,7 @@ class DynamiQCodec(Codec):
 
     def _encode_with_max(self, x: Tensor, group_max: Tensor, summands: int) -> Tensor:
         check_finite(group_max, self.name)  # a NaN or Inf anywhere shows in its group's max
-        table = self._table(x.device)
+        table = device_constants(x.device)[0]
         budget = self.payload_bits(summands) * (group_max.numel() // GROUPS_PER_SG)
         key, antithetic = self._rounding_key(summands)
         if self._in_c(x):
@@ -238,7 +232,7 @@ class DynamiQCodec(Codec):
         """Writes ``decode(msg) (+ local)`` into ``out`` (``numel`` coordinates, whole super-groups); returns its
         group maxima."""
         budget = self.payload_bits(summands) * (numel // SUPER_GROUP)
-        table = self._table(msg.device)
+        table = device_constants(msg.device)[0]
         stochastic = self.rounding == "stochastic"
         if self._in_c(out):  # the wrapper checks the message's size against out's
             # the maxima of a sum are read by the encode that follows: a reused buffer

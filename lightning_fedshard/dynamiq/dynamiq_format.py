@@ -37,6 +37,8 @@ every implementation computes the same values from the same integers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -53,6 +55,7 @@ __all__ = [
     "WIDTHS",
     "allocate_widths",
     "check_message_size",
+    "device_constants",
     "dither",
     "dither_key",
     "group_log_scales",
@@ -80,6 +83,18 @@ SCALE_STEPS = 16
 def scale_table(device: torch.device | str = "cpu") -> Tensor:
     """``2^(-c/16)`` for ``c = 0..255`` in fp32: the group scales relative to their super-group's."""
     return torch.tensor([2.0 ** (-c / SCALE_STEPS) for c in range(256)], dtype=torch.float32, device=device)
+
+
+@functools.cache
+def device_constants(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The format's constant tables on ``device``, made once per device (a host-to-device copy, which synchronises
+    with the GPU, must not happen per message): ``scale_table``, ``MANTISSA_STEPS`` and ``WIDTHS`` (int64).
+    Shared by the torch codec and the Triton kernels; ``device`` is a ``torch.device``."""
+    return (
+        scale_table(device),
+        MANTISSA_STEPS.to(device),
+        torch.tensor(WIDTHS, device=device),
+    )
 
 
 def dither(seed: int, numel: int, device: torch.device | str = "cpu") -> Tensor:
@@ -139,7 +154,7 @@ def message_fields(group_max: Tensor, budget: int, table: Tensor) -> tuple[Tenso
 
 def message_header(sg_scale: Tensor, log_scales: Tensor, widths: Tensor) -> Tensor:
     """The fields before the payload: SG scales, group log-scales and 3-bit width codes (indices into ``WIDTHS``)."""
-    width_codes = torch.searchsorted(torch.tensor(WIDTHS, device=widths.device), widths)
+    width_codes = torch.searchsorted(device_constants(widths.device)[2], widths)
     return torch.cat([as_bytes(sg_scale), log_scales.to(torch.uint8), pack_bits_fast(width_codes, 3)])
 
 
@@ -149,7 +164,7 @@ def log2_eighths(x: Tensor) -> Tensor:
     bits = x.contiguous().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
-    eighths = (mantissa[..., None] >= MANTISSA_STEPS.to(x.device)).sum(dim=-1)
+    eighths = (mantissa[..., None] >= device_constants(x.device)[1]).sum(dim=-1)
     return 8 * exponent.to(torch.int64) + eighths
 
 
@@ -199,7 +214,7 @@ def split_message(msg: Tensor, numel: int, budget: int) -> tuple[Tensor, Tensor,
     sg_scale = view_bytes_as(msg[: ends[0]], torch.float32)
     log_scales = msg[ends[0] : ends[1]].to(torch.int64)
     width_codes = unpack_bits_fast(msg[ends[1] : ends[2]], 3, groups)
-    widths = torch.tensor(WIDTHS, device=msg.device)[width_codes.long()]
+    widths = device_constants(msg.device)[2][width_codes.long()]
     return sg_scale, log_scales, widths, msg[ends[2] :]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -125,6 +126,53 @@ def test_encode_matches_reference(data: str, rounding: str) -> None:
     x = DATA[data](8192, 4).to(DEVICE)
     for summands in (1, 2):
         assert_same_bytes(triton_dar.encode(codec, x, summands), codec.encode(x, summands))
+
+
+def test_unaligned_message_buffer() -> None:
+    """A received message at an odd address (a slice of a larger buffer) is read byte by byte, and an aligned one
+    of 768 coordinates (its payload starts at byte 45) is written byte by byte: the same bytes."""
+    codec = DynamiQCodec(4.0)
+    for n in (1024, 768):
+        received, local = heavy_tailed(n, 7).to(DEVICE), heavy_tailed(n, 8).to(DEVICE)
+        msg = codec.encode(received, 1)
+        shifted = torch.empty(msg.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:]
+        shifted.copy_(msg)
+        assert shifted.data_ptr() % 4 != 0
+        assert_same_bytes(triton_dar.dar(codec, shifted, local, 1), reference_dar(codec, msg, local, 1))
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the aten operations that make the host wait for the device on CUDA: reading a value
+    (``.item()``, ``bool()``, ``nonzero``'s data-dependent size) or copying host data to the device
+    (``torch.tensor`` of Python numbers, which ``lift_fresh`` marks)."""
+
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal", "aten.lift_fresh")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def syncs(self) -> list[int]:
+        return [i for i, op in enumerate(self.ops) if op.startswith(self.SYNCING)]
+
+
+def test_dar_does_not_synchronise() -> None:
+    """No host synchronisation between the launches (the old hop had three host-to-device copies of constants and
+    a finiteness test before the packing kernel); the NaN/Inf flag is read once, after everything else."""
+    codec = DynamiQCodec(5.0, rounding="stochastic")
+    received, local = gaussian(1024, 9).to(DEVICE), gaussian(1024, 10).to(DEVICE)
+    msg = codec.encode(received, 1)
+    triton_dar.dar(codec, msg, local, 1)  # first call: constants moved to the device, buffers made
+    with _HostReads() as checked:
+        triton_dar.dar(codec, msg, local, 1)
+    assert checked.syncs() == [len(checked.ops) - 1]
+    with _HostReads() as unchecked:
+        triton_dar.dar(codec, msg, local, 1, check_finite=False)
+    assert unchecked.syncs() == []
 
 
 def test_low_precision_and_fp64_local() -> None:
