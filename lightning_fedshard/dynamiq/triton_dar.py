@@ -73,19 +73,15 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
 if TYPE_CHECKING:  # the codec imports this module when it first runs on CUDA
     from lightning_fedshard.dynamiq.dynamiq_codec import DynamiQCodec
 
-__all__ = ["BLOCK_GROUPS", "LAUNCHES", "dar", "encode"]
+__all__ = ["BLOCK_GROUPS", "dar", "encode"]
 
 #: Groups of 32 per program: 64 groups (2048 coordinates, 8 super-groups), tiles of [64, 32].
 BLOCK_GROUPS = 64
-#: Kernel launches of one ``dar`` (``encode``: 5 and a histogram clear).
-LAUNCHES = 7
 _KEYS = 2048  # log2_eighths keys lie in [0, 2047]
 _LEVEL_OFFSET = 8 * (MAX_WIDTH - 2)  # allocate_widths' lowest level is 48 below the smallest key
 _LEVELS = _KEYS + _LEVEL_OFFSET + 1
 _INACTIVE = -32768  # the key of a group whose max is 0: below every level, so its width is 0
 _SCAN = 1024  # blocks per step of the one-program scans
-# int32 scalars shared by the one-program steps: level, width units at it, leftover reach, units used
-_LEVEL, _BASE_UNITS, _REACH, _USED = range(4)
 
 
 # ---------------------------------------------------------------------------------------------- element rules
