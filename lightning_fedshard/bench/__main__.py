@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "recipes": "lightning_fedshard.bench.recipes",
     "compression": "lightning_fedshard.bench.compression",
+    "dynamiq-step": "lightning_fedshard.bench.dynamiq_step",
     "verify-memory": "lightning_fedshard.bench.verify_memory",
     "operators": "lightning_fedshard.bench.operators",
     "costmodel": "lightning_fedshard.bench.costmodel",

@@ -15,6 +15,8 @@ Checks (:data:`CHECKS`), each with a pass/fail line, its figure and the peak CUD
 - ``llama`` / ``llama-ckpt``: Llama 3.1 1B (``llama3.1-1b``), bf16-mixed under ``fsdp2`` on one GPU, fused AdamW:
   tokens/s and MFU against the dense bf16 peak (:data:`H200_BF16_PEAK`, the datasheet's) and against a bf16
   matrix product timed in the same process; without and with activation checkpointing;
+- ``dynamiq-step``: what DynamiQ's compression costs one rank of an 8-rank ring per step of Llama 3.1 1B's gradients
+  (DDP's 25 MiB buckets, messages looped back on the GPU; ``fedshard bench dynamiq-step``), against bf16;
 - ``verify``: VNN-COMP instances of mnist_fc 256x6 and acasxu on CUDA and on the CPU, same verdicts, time per
   instance side by side (the benchmark files come from ``--vnncomp``, ``$FEDSHARD_VNNCOMP``, ``./.vnncomp`` or
   ``../shared/vnncomp``).
@@ -105,6 +107,9 @@ CHECKS: tuple[Check, ...] = (
     ),
     # the instances stop starting 10 s before the check's timeout (see verify_cuda_vs_cpu)
     Check("verify", f"{MODULE}:verify_cuda_vs_cpu", 70.0, "the verifier on CUDA against the CPU", {"budget_s": 60.0}),
+    # the timed rounds of the 3 paths stop at budget_s (10 s): with the imports, 6 GB of gradients and the warm-ups
+    # (Triton's compile), 28 s, which keeps the checks' timeouts under the 8 minutes
+    Check("dynamiq-step", f"{MODULE}:dynamiq_step", 28.0, "DynamiQ's per-rank compute per 1B step vs bf16"),
 )
 
 
@@ -432,6 +437,26 @@ def llama_throughput(
     figure = f"{measured:,.0f} tokens/s, MFU {flops / H200_BF16_PEAK:.1%} of 989 TFLOP/s"
     figure += f" ({flops / matmul:.1%} of the bf16 matmul measured here)"
     return {"status": "pass" if ok else "fail", "figure": figure, "details": details}
+
+
+def dynamiq_step(
+    preset: str = "llama3.1-1b", world_size: int = 8, steps: int = 3, budget_s: float = 10.0, device: str = "cuda"
+) -> dict:
+    """``fedshard bench dynamiq-step`` on ``preset``'s DDP gradient buckets (random values of its parameters'
+    sizes): ms per step that one rank of a ``world_size``-rank ring computes with DynamiQ at 5 bits, against the
+    same ring with bf16 messages and against ``bf16_compress_hook``'s cast. (``device="cpu"``, a small preset: the
+    same on the CPU, for checking the check.)"""
+    from lightning_fedshard.bench.dynamiq_step import step_costs
+
+    result = step_costs(preset, world_size, device=device, steps=steps, budget_s=budget_s)
+    rows = {row["path"]: row for row in result["rows"]}
+    dynamiq, ring, cast = (rows[name]["ms_per_step"] for name in ("dynamiq", "bf16 ring", "bf16 cast"))
+    figure = (
+        f"DynamiQ {dynamiq:.1f} ms/step vs bf16 ring {ring:.1f} ms ({dynamiq / ring:.2f}×), bf16 cast {cast:.1f} ms;"
+        f" {result['coordinates'] / 1e6:,.0f}M coordinates in {result['buckets']} buckets, one rank of {world_size}"
+    )
+    ok = all(math.isfinite(row["ms_per_step"]) and row["timed_steps"] >= 1 for row in result["rows"])
+    return {"status": "pass" if ok else "fail", "figure": figure, "details": result["rows"], "run": result}
 
 
 def _synchronize(cuda: bool) -> None:

@@ -9,7 +9,14 @@ Example::
 
 from lightning_fedshard.dynamiq import baselines
 from lightning_fedshard.dynamiq.codec import CODECS, Codec, make_codec, register_codec
-from lightning_fedshard.dynamiq.collective import TOPOLOGIES, all_reduce, reduce_scatter, simulate_all_reduce, warm_up
+from lightning_fedshard.dynamiq.collective import (
+    TOPOLOGIES,
+    all_reduce,
+    loopback_all_reduce,
+    reduce_scatter,
+    simulate_all_reduce,
+    warm_up,
+)
 from lightning_fedshard.dynamiq.ddp_hook import DynamiQHookState, dynamiq_hook
 from lightning_fedshard.dynamiq.dynamiq_codec import DynamiQCodec
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter
@@ -30,6 +37,7 @@ __all__ = [
     "all_reduce",
     "baselines",
     "dynamiq_hook",
+    "loopback_all_reduce",
     "make_codec",
     "reduce_scatter",
     "register_codec",

@@ -82,6 +82,10 @@ class Codec:
     #: True when ``prepare`` itself makes every rank raise alike on NaN or Inf in any rank's chunks, by folding
     #: ``non_finite_flag`` into a collective it runs anyway; for the others the collectives agree on the flag first.
     agrees_finite: ClassVar[bool] = False
+    #: Set by the collectives while every rank has agreed that no chunk holds NaN or Inf and that no partial sum can
+    #: overflow (``non_finite_flag`` with ``headroom``): a codec may then skip its own check of each message, which
+    #: reads a flag back to the host, a synchronisation per hop on a GPU.
+    sums_known_finite: bool = False
 
     def __init__(self, bits: float | None = None) -> None:
         self.bits = bits
@@ -161,12 +165,14 @@ def non_finite_error(codec: str) -> ValueError:
     )
 
 
-def non_finite_flag(x: Tensor, rank: int) -> Tensor:
-    """``[rank + 1]`` when the non-empty ``x`` holds a NaN or an Inf, else ``[0]``: an int64 tensor on ``x``'s
-    device, so no host synchronisation. Reduced with MAX over a group, it names the highest-numbered rank with
-    one. One reading pass (NaN propagates through min and max), a small fraction of an encode."""
+def non_finite_flag(x: Tensor, rank: int, headroom: int = 1) -> Tensor:
+    """``[rank + 1]`` when the non-empty ``x`` holds a NaN or an Inf, or a value so large that a sum of ``headroom``
+    values of its size overflows fp32, else ``[0]``: an int64 tensor on ``x``'s device, so no host synchronisation.
+    Reduced with MAX over a group, it names the highest-numbered rank with one. One reading pass (NaN propagates
+    through min and max), a small fraction of an encode."""
     low, high = torch.aminmax(x)
-    return torch.where(torch.isfinite(low) & torch.isfinite(high), 0, rank + 1).reshape(1)
+    fits = torch.isfinite(low * headroom) & torch.isfinite(high * headroom)
+    return torch.where(fits, 0, rank + 1).reshape(1)
 
 
 def raise_if_any_non_finite(flag: int, codec: str, world_size: int) -> None:
@@ -178,5 +184,6 @@ def raise_if_any_non_finite(flag: int, codec: str, world_size: int) -> None:
             f"{codec}: the tensor holds NaN or Inf values on rank {flag - 1} of {world_size} (the highest-numbered "
             "rank with any), which the codec cannot encode (a diverged step or an fp16 overflow). Every rank of the "
             "collective raises this error before sending anything and leaves its tensor unchanged, so all of them "
-            "can skip the step; dist.all_reduce would pass the NaN on instead."
+            "can skip the step; dist.all_reduce would pass the NaN on instead. (The compressed ring also counts finite "
+            "values above the fp32 maximum / 2P as Inf: a partial sum of them could overflow between its hops.)"
         )

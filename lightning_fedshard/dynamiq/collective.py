@@ -13,8 +13,9 @@ The butterfly variant (recursive halving, then recursive doubling) needs ``log2 
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -36,6 +37,8 @@ __all__ = [
     "DEFAULT_MIN_NUMEL",
     "TOPOLOGIES",
     "all_reduce",
+    "loopback_all_reduce",
+    "needs_host_staging",
     "plan_transfer",
     "reduce_scatter",
     "simulate_all_reduce",
@@ -116,7 +119,8 @@ def all_reduce(
         chunks = _chunks(tensor, world_size, ring.codec.block)
         _agree_finite(ring.codec, chunks, group)
         transfer = plan_transfer(topology, world_size, chunks.shape[1], tensor.numel(), all_gather=True)
-        summed = ring.codec.finish(ring.all_reduce(ring.codec.prepare(chunks, transfer, group)))
+        with _finite_sums_agreed(ring.codec):
+            summed = ring.codec.finish(ring.all_reduce(ring.codec.prepare(chunks, transfer, group)))
         tensor.copy_(summed.reshape(-1)[: tensor.numel()].view_as(tensor))
         _record(stats, ring, tensor.numel(), transfer, rechunked=chunks.data_ptr() != tensor.data_ptr())
     if reference is not None and stats is not None:
@@ -164,7 +168,8 @@ def reduce_scatter(
     chunks = _as_chunks(input, world_size, n, ring.codec.block)
     _agree_finite(ring.codec, chunks, group)
     transfer = plan_transfer(topology, world_size, chunks.shape[1], input.numel(), all_gather=False)
-    owned = ring.codec.finish(ring.reduce_scatter(ring.codec.prepare(chunks, transfer, group))[None])[0]
+    with _finite_sums_agreed(ring.codec):
+        owned = ring.codec.finish(ring.reduce_scatter(ring.codec.prepare(chunks, transfer, group))[None])[0]
     output.copy_(owned[:n].view_as(output))
     _record(stats, ring, input.numel(), transfer, rechunked=chunks.data_ptr() != input.data_ptr())
     return output
@@ -190,7 +195,7 @@ def simulate_all_reduce(
     codec = make_codec(codec, bits)
     chunks = [_chunks(x, world_size, codec.block) for x in inputs]
     if not codec.agrees_finite:
-        flags = [int(non_finite_flag(c, rank)) for rank, c in enumerate(chunks)]
+        flags = [int(non_finite_flag(c, rank, _headroom(world_size))) for rank, c in enumerate(chunks)]
         raise_if_any_non_finite(max(flags), codec.name, world_size)
     transfer = plan_transfer(topology, world_size, chunks[0].shape[1], inputs[0].numel(), all_gather=True)
     domains = codec.prepare_simulated(chunks, transfer)
@@ -222,13 +227,49 @@ def simulate_all_reduce(
             raise
         return summed, ring.wire_bytes
 
-    with ThreadPoolExecutor(max_workers=world_size) as pool:
+    with _finite_sums_agreed(codec), ThreadPoolExecutor(max_workers=world_size) as pool:
         futures = [pool.submit(run, rank) for rank in range(world_size)]
     if failures:
         raise failures[0]  # the first error; the other ranks only stopped waiting for the rank that raised it
     summed, wire = futures[0].result()
     summed = codec.finish(summed).reshape(-1)[: inputs[0].numel()]
     return summed.view_as(inputs[0]), 8 * (wire + codec.side_bytes) / transfer.reference_coords
+
+
+def loopback_all_reduce(
+    tensor: Tensor,
+    *,
+    world_size: int,
+    codec: str | Codec = "dynamiq",
+    bits: float = 5.0,
+    topology: Topology = "ring",
+) -> Tensor:
+    """The compute that one rank of a ``world_size``-rank compressed all-reduce of ``tensor`` pays, on ``tensor``'s
+    device and with no network: every message it sends comes back as the one it receives, which has the size and
+    the number of summands of the message a real neighbour would send. So it runs a real rank's encodes, its
+    ``world_size - 1`` ring hops (decompress-accumulate-recompress) and its all-gather's decodes, once each, with
+    the host synchronisations of a real call (the finite check's one). The values returned are a mix of this
+    rank's own chunks, not a sum over ranks: this is for timing (``fedshard bench dynamiq-step``) and counting.
+
+    Example::
+
+        grad = torch.randn(1 << 20)
+        loopback_all_reduce(grad, world_size=8, codec="dynamiq", bits=5.0)   # what a rank of 8 computes
+    """
+    codec = make_codec(codec, bits)
+    chunks = _chunks(tensor, world_size, codec.block)
+    if not codec.agrees_finite:
+        raise_if_any_non_finite(int(non_finite_flag(chunks, 0, _headroom(world_size))), codec.name, world_size)
+    transfer = plan_transfer(topology, world_size, chunks.shape[1], tensor.numel(), all_gather=True)
+    domain = codec.prepare_simulated([chunks] * world_size, transfer)[0]
+    ring = _Ring(codec, topology, 0, world_size, _loop_back)
+    with _finite_sums_agreed(codec):
+        summed = codec.finish(ring.all_reduce(domain))
+    return summed.reshape(-1)[: tensor.numel()].view_as(tensor)
+
+
+def _loop_back(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
+    recv.copy_(send)
 
 
 #: How long a simulated rank waits for a message before calling the simulation deadlocked.
@@ -260,12 +301,10 @@ class _Ring:
 
     @classmethod
     def over(cls, codec: Codec, group: ProcessGroup | None, topology: str) -> _Ring:
-        # Gloo's point-to-point ops read and write host memory: CUDA messages on a gloo-only group go through the
-        # CPU (a group with a CUDA backend, e.g. "cpu:gloo,cuda:nccl", sends them from the device).
-        gloo_only = dist.get_backend(group) == "gloo"
+        backend = dist.get_backend(group)
 
         def p2p(send: Tensor, recv: Tensor, dst: int, src: int) -> None:
-            staged = gloo_only and recv.is_cuda
+            staged = needs_host_staging(backend, recv.device)
             into = torch.empty_like(recv, device="cpu") if staged else recv
             ops = [
                 dist.P2POp(dist.isend, send.cpu() if staged else send, group=group, group_peer=dst),
@@ -355,12 +394,23 @@ class _Ring:
             self._p2p(header, received, dst, src)
             sizes = received.tolist()
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        self._p2p(torch.cat(outgoing), buffer, dst, src)
+        self._p2p(outgoing[0] if len(outgoing) == 1 else torch.cat(outgoing), buffer, dst, src)
         return list(buffer.split(sizes))
 
     def _p2p(self, send: Tensor, recv: Tensor, dst: int, src: int) -> None:
         self._send_recv(send, recv, dst, src)
         self.wire_bytes += send.numel() * send.element_size()
+
+
+def needs_host_staging(backend: str, device: torch.device) -> bool:
+    """Whether the ring's messages on ``device`` must go through host memory on a group of ``backend``
+    (``dist.get_backend``): only CUDA tensors on a gloo-only group, as gloo's point-to-point ops read and write host
+    memory. NCCL, and a group with a CUDA backend beside gloo (``"cpu:gloo,cuda:nccl"``), send them from the device.
+
+    >>> needs_host_staging("gloo", torch.device("cuda", 0)), needs_host_staging("nccl", torch.device("cuda", 0))
+    (True, False)
+    """
+    return backend == "gloo" and device.type == "cuda"
 
 
 def warm_up(codec: Codec, numel: int, world_size: int, device: torch.device | str = "cpu") -> None:
@@ -409,9 +459,32 @@ def _agree_finite(codec: Codec, chunks: Tensor, group: ProcessGroup | None) -> N
     the same for every tensor, and not counted in the wire bytes."""
     if codec.agrees_finite:
         return
-    flag = non_finite_flag(chunks, dist.get_rank(group))
+    world_size = dist.get_world_size(group)
+    flag = non_finite_flag(chunks, dist.get_rank(group), _headroom(world_size))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    raise_if_any_non_finite(int(flag), codec.name, dist.get_world_size(group))
+    raise_if_any_non_finite(int(flag), codec.name, world_size)  # the call's one host synchronisation
+
+
+def _headroom(world_size: int) -> int:
+    """How many times the largest |chunk value| must fit in fp32 for no partial sum of the ring to overflow: a
+    message of ``h`` summands decodes to at most ``h`` times it (a group decodes within its scale, its max |x|), and
+    a factor 2 covers the rounding of the decodes and adds."""
+    return 2 * world_size
+
+
+@contextmanager
+def _finite_sums_agreed(codec: Codec) -> Iterator[None]:
+    """Marks ``codec`` as running a collective whose chunks every rank found finite with ``_headroom`` (by
+    ``_agree_finite``), so that it may skip its per-message check: on a GPU a host synchronisation per hop, and,
+    with the finite inputs agreed, one that could only fire on one rank and leave the others waiting for it."""
+    if codec.agrees_finite:  # its prepare checked finiteness, not the headroom
+        yield
+        return
+    codec.sums_known_finite = True
+    try:
+        yield
+    finally:
+        codec.sums_known_finite = False
 
 
 def _check_topology(topology: str, world_size: int) -> None:

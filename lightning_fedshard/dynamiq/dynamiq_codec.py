@@ -96,6 +96,7 @@ class DynamiQCodec(Codec):
         # Without a planned collective (a lone encode), one message gets the whole budget.
         self.base = math.floor(8 * (bits - _SIDE_BITS))
         self._buffers: dict[tuple, Tensor] = {}
+        self._bases: dict[tuple[Transfer, float], int] = {}
 
     # ------------------------------------------------------------------ budget
     def payload_bits(self, summands: int) -> int:
@@ -111,9 +112,17 @@ class DynamiQCodec(Codec):
         return _padded_numel(numel) // SUPER_GROUP * (SIDE_BYTES_PER_SG + 4 * self.payload_bits(summands))
 
     def prepare(self, chunks: Tensor, transfer: Transfer, group: ProcessGroup | None) -> Tensor:
-        """Picks the largest base rate whose messages all fit in ``bits`` per coordinate."""
+        """Picks the largest base rate whose messages all fit in ``bits`` per coordinate (from the sizes alone: no
+        device value is read; remembered per transfer, as DDP sends the same buckets every step)."""
         self.world_size = transfer.world_size
         self.calls += 1
+        key = (transfer, self.bits)
+        if key not in self._bases:
+            self._bases[key] = self._largest_base(transfer)
+        self.base = self._bases[key]
+        return chunks
+
+    def _largest_base(self, transfer: Transfer) -> int:
         budget_bytes = self.bits * transfer.reference_coords / 8
         best = None
         for base in range(_MIN_BASE, 8 * MAX_WIDTH + 1):
@@ -127,8 +136,7 @@ class DynamiQCodec(Codec):
                 f"DynamiQ cannot send {transfer.reference_coords:.0f} coordinates' worth of partial sums in "
                 f"bits={self.bits} per coordinate over {transfer.world_size} ranks; raise bits."
             )
-        self.base = best
-        return chunks
+        return best
 
     # ------------------------------------------------------------------ codec
     def _dither_params(self, summands: int) -> tuple[int, bool]:
@@ -173,7 +181,8 @@ class DynamiQCodec(Codec):
         return x.device.type == "cpu" and cpu_kernels.library() is not None
 
     def _encode_with_max(self, x: Tensor, group_max: Tensor, summands: int) -> Tensor:
-        check_finite(group_max, self.name)  # a NaN or Inf anywhere shows in its group's max
+        if not self.sums_known_finite:  # a NaN or Inf anywhere shows in its group's max
+            check_finite(group_max, self.name)
         table = device_constants(x.device)[0]
         budget = self.payload_bits(summands) * (group_max.numel() // GROUPS_PER_SG)
         key, antithetic = self._rounding_key(summands)
@@ -186,7 +195,8 @@ class DynamiQCodec(Codec):
             return cpu_kernels.encode(x, group_max, budget, table, MANTISSA_STEPS, key, antithetic, scratch)
         sg_scale, log_scales, widths = message_fields(group_max, budget, table)
         codes = self._scratch("codes", x.numel(), torch.int32, x.device).view(-1, GROUP)
-        key_t = None if key is None else torch.tensor(key, dtype=torch.int64, device=x.device)
+        # filled on the device: torch.tensor(key, device=...) would copy from the host and wait for the GPU
+        key_t = None if key is None else torch.full((), key, dtype=torch.int64, device=x.device)
         quantize(x.view(-1, GROUP), sg_scale, log_scales, widths, table, key_t, antithetic, codes)
         planes = self._scratch("planes", x.numel() // 4, torch.int32, x.device).view(-1, MAX_WIDTH)
         slots = self._scratch("slots", x.numel() // 4, torch.int64, x.device).view(-1, MAX_WIDTH)
@@ -216,7 +226,7 @@ class DynamiQCodec(Codec):
         if local.is_cuda and _HAS_TRITON:
             from lightning_fedshard.dynamiq import triton_dar
 
-            return triton_dar.dar(self, msg, local, summands)
+            return triton_dar.dar(self, msg, local, summands, check_finite=not self.sums_known_finite)
         numel = local.numel()
         total = self._scratch("total", numel, torch.float32, local.device)
         group_max = self._decode_into(msg, numel, summands, local.detach().reshape(-1).to(torch.float32), total)
@@ -265,8 +275,11 @@ def _padded_numel(numel: int) -> int:
 # ---------------------------------------------------------------------------------------------- kernels
 # Pure tensor functions: the reference, which cpu_kernels.c follows to the bit. Integer bit work is done in int32
 # (32 coordinates per plane word).
-_PLANES = torch.arange(MAX_WIDTH, dtype=torch.int32)
-_LANES = torch.arange(GROUP, dtype=torch.int32)
+# Made on the tensors' device where used: copying a host constant to a GPU waits for the GPU.
+
+
+def _planes(device: torch.device) -> Tensor:
+    return torch.arange(MAX_WIDTH, dtype=torch.int32, device=device)
 
 
 def group_max_of(x: Tensor) -> Tensor:
@@ -316,7 +329,7 @@ def quantize(
 def bit_planes(codes: Tensor, out: Tensor) -> None:
     """The 8 bit planes of each group of ``codes [G, 32]`` into ``out [G, 8]`` (int32): bit ``j`` of plane ``m``
     is bit ``m`` of code ``j``."""
-    planes = _PLANES.to(codes.device)
+    planes = _planes(codes.device)
     packed = ((codes[:, 0, None] >> planes) & 1) << 0
     for j in range(1, GROUP):  # unrolled: one fused pass over 32 lanes per plane, where a reduction would not vectorise
         packed = packed | (((codes[:, j, None] >> planes) & 1) << j)
@@ -326,7 +339,7 @@ def bit_planes(codes: Tensor, out: Tensor) -> None:
 def plane_slots(widths: Tensor, spare: Tensor, out: Tensor) -> None:
     """Where each of the 8 planes of each group goes in the payload (``out [G, 8]``): a group's first ``w`` at
     its offset, the others to the ``spare`` word."""
-    planes = _PLANES.to(widths.device)
+    planes = _planes(widths.device)
     out.copy_(torch.where(planes < widths[:, None], payload_offsets(widths)[:, None] + planes, spare))
 
 
@@ -345,10 +358,10 @@ def decode_add(
     |value|. ``words`` holds the payload followed by at least one zero word, which planes a group lacks read."""
     levels, steps, group_scale = _grid(sg_scale, log_scales, widths, table, stochastic)
     step = torch.where(levels > 0, group_scale / torch.where(levels > 0, steps, 1.0), 0.0)[:, None]
-    planes = _PLANES.to(words.device)
+    planes = _planes(words.device)
     slot = torch.where(planes < widths[:, None], payload_offsets(widths)[:, None] + planes, words.numel() - 1)
     plane_words = words[slot]  # [G, 8]
-    lanes = _LANES.to(words.device)
+    lanes = torch.arange(GROUP, dtype=torch.int32, device=words.device)
     codes = ((plane_words[:, 0, None] >> lanes) & 1) << 0
     for m in range(1, MAX_WIDTH):
         codes = codes | (((plane_words[:, m, None] >> lanes) & 1) << m)

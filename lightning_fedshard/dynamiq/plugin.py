@@ -9,8 +9,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer

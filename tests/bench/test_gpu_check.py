@@ -18,6 +18,7 @@ from lightning_fedshard.bench.gpu_check import (
     Check,
     check_timeout_s,
     cuda_test_files,
+    dynamiq_step,
     junit_outcome,
     main,
     run_checks,
@@ -141,3 +142,16 @@ def test_the_pytest_figure_counts_failures_and_skips_from_pytests_junit_xml(tmp_
     assert outcome["figure"] == "1 passed, 1 failed, 1 skipped" and outcome["status"] == "fail", outcome
     ((failing),) = outcome["details"]
     assert failing["test"].endswith("::test_fails") and "one is not two" in failing["message"]
+
+
+def test_the_dynamiq_step_check_times_every_ddp_bucket_of_the_preset_on_the_cpu() -> None:
+    from lightning_fedshard.models.config import LlamaConfig
+
+    record = dynamiq_step(preset="llama3.1-tiny", steps=1, device="cpu")
+    assert record["status"] == "pass", record
+    assert [row["path"] for row in record["details"]] == ["dynamiq", "bf16 ring", "bf16 cast"]
+    assert all(row["timed_steps"] == 1 and row["ms_per_step"] > 0 for row in record["details"])
+    # every coordinate of the model's gradient, in DDP's buckets (a first one of 1 MiB, then up to 25 MiB)
+    assert record["run"]["coordinates"] == LlamaConfig.from_name("llama3.1-tiny").num_parameters
+    assert record["run"]["buckets"] == 2 and "one rank of 8" in record["figure"]
+    assert "dynamiq-step" in {check.name for check in CHECKS}

@@ -8,11 +8,13 @@ Usage: torchrun --nproc-per-node=4 collective_worker.py OUT_DIR [DEVICE [CODEC .
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from lightning_fedshard._torch_compat import TorchDispatchMode
 from lightning_fedshard.dynamiq import CODECS, CompressionStats, all_reduce, reduce_scatter
 
 NUMEL = 70_001  # not a multiple of any block: exercises the padding
@@ -24,6 +26,31 @@ def rank_input(rank: int, numel: int = NUMEL) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + rank)
     scale = torch.logspace(-2, 0, 8).repeat_interleave(-(-numel // 8))[:numel]
     return _student_t(gen, numel) * scale
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the operations that make a GPU's host wait: reading a value (``.item()``, ``int()``, ``bool()``: all
+    ``_local_scalar_dense``), ``nonzero`` (a size read from the data) and copies from a device to the host. On CPU
+    tensors they cost nothing, but their number is the number the same call makes on CUDA."""
+
+    WAITS = ("aten._local_scalar_dense", "aten.nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        to_host = isinstance(out, torch.Tensor) and out.device.type == "cpu"
+        from_device = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        if name in self.WAITS or (name in ("aten._to_copy", "aten.copy_") and to_host and from_device):
+            self.counts[name] += 1
+        return out
 
 
 def _student_t(gen: torch.Generator, numel: int) -> torch.Tensor:
@@ -70,6 +97,15 @@ def main(out: Path, device: str = "cpu", codecs: list[str] | None = None) -> Non
             "rechunked_calls": stats.rechunked_calls,
             "input_unchanged": torch.equal(given, x[: world * 4096]),
         }
+    # the host waits of one call, whatever the world size: only the finite check's (the counter sees every rank's)
+    record["host_syncs"] = {}
+    for topology in TOPOLOGIES:
+        with HostSyncCounter() as counter:
+            all_reduce(x.clone(), codec="dynamiq", bits=5.0, topology=topology)
+        record["host_syncs"]["all_reduce", topology] = dict(counter.counts)
+    with HostSyncCounter() as counter:
+        reduce_scatter(torch.empty(NUMEL // world + 1, device=device), padded, codec="dynamiq", bits=5.0)
+    record["host_syncs"]["reduce_scatter", "ring"] = dict(counter.counts)
     small = x[:1000].clone()
     all_reduce(small, codec="dynamiq")
     exact = x[:1000].clone()

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lightning_fedshard.dynamiq import CODECS, simulate_all_reduce
-from lightning_fedshard.dynamiq.collective import plan_transfer
-from tests.dynamiq.collective_worker import NUMEL, TOPOLOGIES, rank_input
+from lightning_fedshard.dynamiq.codec import make_codec
+from lightning_fedshard.dynamiq.collective import loopback_all_reduce, needs_host_staging, plan_transfer
+from tests.dynamiq.collective_worker import NUMEL, TOPOLOGIES, HostSyncCounter, rank_input
 from tests.launching import run_isolated
 
 WORLD = 4
@@ -124,6 +125,56 @@ def test_a_reduce_scatter_of_whole_blocks_reads_its_input_in_place_with_the_same
 @pytest.mark.multiproc
 def test_small_tensors_fall_back_to_an_exact_all_reduce(ranks) -> None:
     assert all(r["small_fallback_equal"] for r in ranks)
+
+
+@pytest.mark.multiproc
+def test_a_dynamiq_collective_waits_for_its_device_once_per_call(ranks) -> None:
+    # the finite check's agreed flag, read once; no per-hop check or host constant copied per message
+    one_read = {"aten._local_scalar_dense": 1}
+    for r in ranks:
+        assert r["host_syncs"] == {(call, t): one_read for call, t in r["host_syncs"]}, r["host_syncs"]
+        assert len(r["host_syncs"]) == 1 + len(TOPOLOGIES)
+
+
+@pytest.mark.parametrize("codec", ["dynamiq", "dynamiq_sr"])
+def test_one_ranks_ring_waits_for_its_device_once_whatever_the_number_of_hops(codec) -> None:
+    x = rank_input(0, 8 * 256 * 4)
+    counts = []
+    for world_size in (2, 8):
+        with HostSyncCounter() as counter:
+            loopback_all_reduce(x, world_size=world_size, codec=codec)
+        counts.append(dict(counter.counts))
+    assert counts == [{"aten._local_scalar_dense": 1}] * 2
+
+
+def test_a_rank_looped_back_runs_the_hops_of_a_real_one_and_refuses_nan() -> None:
+    codec = make_codec("dynamiq", 5.0)
+    x = rank_input(0, 8 * 256 * 4)
+    out = loopback_all_reduce(x, world_size=8, codec=codec)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert codec.calls == 1 and codec.world_size == 8 and not codec.sums_known_finite
+    with pytest.raises(ValueError, match="NaN or Inf values on rank 0 of 8"):
+        loopback_all_reduce(torch.full_like(x, float("nan")), world_size=8)
+
+
+def test_values_whose_ring_sums_could_overflow_are_refused_on_every_rank_before_any_message() -> None:
+    # 3e37 is finite, but 16 of them (8 ranks, twice for rounding) are not: inside the ring a sum could overflow, and
+    # a hop would encode an Inf (which decodes to zeros)
+    inputs = [torch.ones(4096) for _ in range(8)]
+    inputs[5][7] = 3e37
+    with pytest.raises(ValueError, match="NaN or Inf values on rank 5 of 8"):
+        simulate_all_reduce(inputs, codec="dynamiq", bits=5.0)
+    inputs[5][7] = 1e37  # 16 of them fit: summed as usual
+    summed, _ = simulate_all_reduce(inputs, codec="dynamiq", bits=5.0)
+    assert torch.isfinite(summed).all()
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "staged"),
+    [("gloo", "cuda", True), ("gloo", "cpu", False), ("nccl", "cuda", False), ("cpu:gloo,cuda:nccl", "cuda", False)],
+)
+def test_only_cuda_messages_on_a_gloo_only_group_go_through_the_host(backend, device, staged) -> None:
+    assert needs_host_staging(backend, torch.device(device)) is staged
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8, 16])
