@@ -41,7 +41,7 @@ class LlamaPretraining(pl.LightningModule):
         seq_len: Training sequence length (linked to the data module's by ``fedshard``); must fit the
             rotary context ``max_seq_len``.
         lr, betas, eps, weight_decay: AdamW; weight decay applies to matrices and embeddings, not to norms.
-            AdamW is fused on CUDA.
+            AdamW is fused on CUDA and takes the multi-tensor (``foreach``) path elsewhere.
         optimizer: ``"adamw"`` (torch's), ``"adamw8bit"`` (:class:`~lightning_fedshard.optim.AdamW8bit`, moments in
             8 bits per block of ``quant_block``) or ``"muon"`` (:class:`~lightning_fedshard.optim.Muon` for the blocks'
             matrices with the same ``lr`` and ``weight_decay`` — Moonshot's RMS matching — and AdamW with ``lr``,
@@ -217,7 +217,10 @@ class LlamaPretraining(pl.LightningModule):
         groups = [{"params": decayed, "weight_decay": hp.weight_decay}, {"params": kept, "weight_decay": 0.0}]
         if name == "adamw8bit":
             return AdamW8bit(groups, lr=hp.lr, betas=betas, eps=hp.eps, block_size=hp.get("quant_block", 128))
-        return torch.optim.AdamW(groups, lr=hp.lr, betas=betas, eps=hp.eps, fused=self.device.type == "cuda")
+        # one fused kernel per step on CUDA; elsewhere the multi-tensor (foreach) path, which torch picks by itself
+        # only for CUDA tensors (on the CPU it would step one tensor at a time)
+        cuda = self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=hp.lr, betas=betas, eps=hp.eps, fused=cuda, foreach=not cuda)
 
 
 def _config_of_hf_directory(directory: Path, preset: str | None, overrides: dict[str, Any], name: str) -> LlamaConfig:
