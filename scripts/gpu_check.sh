@@ -5,7 +5,8 @@
 #
 # Runs with the machine's python3 (or $PYTHON) and this working tree first on PYTHONPATH. Optional, carried
 # beside the tree on a machine without a package index:
-#   .whl/*.whl   wheels of missing packages (scripts/gpu_wheels.sh downloads highspy, for MILP refinement)
+#   .whl/*.whl   wheels of missing packages (scripts/gpu_wheels.sh downloads highspy, for MILP refinement, and
+#                torchao, for the float8 Llama check)
 #   .vnncomp/    a copy of ../shared/vnncomp (the verifier check's benchmark files)
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

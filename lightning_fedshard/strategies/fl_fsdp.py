@@ -50,6 +50,7 @@ class FLFSDPStrategy(FLHSDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         shard_block: int | None = None,
         fault_tolerance: FaultTolerance | None = None,
+        compile: Sequence[str | type[nn.Module]] | None = None,
     ) -> None:
         super().__init__(
             num_groups=num_groups,
@@ -70,4 +71,5 @@ class FLFSDPStrategy(FLHSDPStrategy):
             timeout=timeout,
             shard_block=shard_block,
             fault_tolerance=fault_tolerance,
+            compile=compile,
         )

@@ -40,6 +40,7 @@ from lightning_fedshard.dynamiq.settings import Compression
 from lightning_fedshard.optim.shard_plan import BlockShardPlan
 from lightning_fedshard.strategies.apply import (
     apply_activation_checkpointing,
+    apply_compile,
     apply_fsdp,
     broadcast_initial_state,
     check_fully_sharded,
@@ -111,6 +112,10 @@ class FLHSDPStrategy(ModelParallelStrategy):
             LightningModule's ``configure_model`` does not call ``fully_shard`` itself.
         activation_checkpointing: Module classes (or import paths) whose activations are recomputed in the
             backward pass instead of stored (applied before ``auto_wrap`` sharding).
+        compile: Module classes (or import paths) whose ``forward`` is compiled with ``torch.compile``, one instance
+            at a time (:func:`~lightning_fedshard.strategies.apply.apply_compile`, after activation checkpointing and
+            before sharding, as torchtitan does), e.g. ``["lightning_fedshard.models.TransformerBlock"]``. The first
+            steps pay the compilation; the blocks of one model share its graphs.
         process_group_backend: ``"gloo"``, ``"nccl"``, ... (``None``: the device's default).
         shard_block: Block-aligned shards (:class:`~lightning_fedshard.optim.BlockShardPlan`): each parameter is sharded on
             the dimension whose shards start on multiples of ``shard_block`` coordinates (256 for DynamiQ, 32 or 128
@@ -163,6 +168,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         shard_block: int | None = None,
         fault_tolerance: FaultTolerance | None = None,
+        compile: Sequence[str | type[nn.Module]] | None = None,
     ) -> None:
         name = type(self).__name__
         super().__init__(
@@ -218,6 +224,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.sync_mode = sync_mode
         self._auto_wrap = _resolve_classes(auto_wrap, "auto_wrap", name)
         self._activation_checkpointing = _resolve_classes(activation_checkpointing, "activation_checkpointing", name)
+        self._compile = _resolve_classes(compile, "compile", name)
         self._dims: FedShardDims | None = None
         self._group_pg: dist.ProcessGroup | None = None
         self._averager: FedAverager | None = None
@@ -366,6 +373,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
                     " auto_wrap=['lightning_fedshard.models.TransformerBlock'], to gather one block at a time."
                 )
             apply_activation_checkpointing(self.model, self._activation_checkpointing)
+            apply_compile(self.model, self._compile)
             apply_fsdp(
                 self.model,
                 self.fsdp_mesh,

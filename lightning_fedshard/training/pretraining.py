@@ -19,6 +19,7 @@ from lightning_fedshard.data.packing import IGNORE_INDEX
 from lightning_fedshard.models import GPT2, GPT2_PRESETS, GPT2Config, Llama, LlamaConfig, RopeScaling
 from lightning_fedshard.models.hf import CHECKPOINT_MODEL_KEY, HFWeights, install_hf_init, read_hf_config, reset_from_hf
 from lightning_fedshard.optim import AdamW8bit, Muon, muon_param_groups
+from lightning_fedshard.training.float8 import check_float8_available, check_float8_device, convert_blocks_to_float8
 from lightning_fedshard.training.schedule import warmup_cosine
 
 __all__ = ["DEFAULT_PRESET", "OPTIMIZERS", "LlamaPretraining"]
@@ -41,7 +42,7 @@ class LlamaPretraining(pl.LightningModule):
         seq_len: Training sequence length (linked to the data module's by ``fedshard``); must fit the
             rotary context ``max_seq_len``.
         lr, betas, eps, weight_decay: AdamW; weight decay applies to matrices and embeddings, not to norms.
-            AdamW is fused on CUDA.
+            AdamW is fused on CUDA and takes the multi-tensor (``foreach``) path elsewhere.
         optimizer: ``"adamw"`` (torch's), ``"adamw8bit"`` (:class:`~lightning_fedshard.optim.AdamW8bit`, moments in
             8 bits per block of ``quant_block``) or ``"muon"`` (:class:`~lightning_fedshard.optim.Muon` for the blocks'
             matrices with the same ``lr`` and ``weight_decay`` — Moonshot's RMS matching — and AdamW with ``lr``,
@@ -53,6 +54,10 @@ class LlamaPretraining(pl.LightningModule):
             shards) whose weights start the run instead of a random initialisation: continued pre-training. The
             model's shape comes from its ``config.json``; ``preset`` and ``overrides``, if given too, must agree with
             it field by field. Needs the ``[hf]`` extra. A resumed run (``ckpt_path``) takes the checkpoint's weights.
+        float8: Train the blocks' linear layers with float8 matrix products (torchao's dynamic per-tensor scaling,
+            :mod:`~lightning_fedshard.training.float8`; not the embedding or the output head). Needs the ``[float8]``
+            extra and an NVIDIA GPU of compute capability ≥ 8.9 (H100, H200, L4, ...; the CPU runs it too, for
+            tests); fast only with the strategy's ``compile=[TransformerBlock]``. Llama presets only.
 
     Under a sharding strategy (``fl_fsdp``, ``fl_hsdp``, ``fsdp2``, ``hsdp``) the model is built on the meta
     device and each rank materialises only its shards. Validation logs ``val_loss`` (mean next-token
@@ -79,6 +84,7 @@ class LlamaPretraining(pl.LightningModule):
         optimizer: Literal["adamw", "adamw8bit", "muon"] = "adamw",
         quant_block: int = 128,
         init_from: str | Path | None = None,
+        float8: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -106,6 +112,11 @@ class LlamaPretraining(pl.LightningModule):
             )
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"{name}: unknown `optimizer={optimizer!r}`; choose one of {OPTIMIZERS}.")
+        if float8:
+            if not isinstance(self.config, LlamaConfig):
+                raise ValueError(f"{name}: float8=True converts Llama blocks; {preset!r} is not a Llama preset.")
+            check_float8_available()  # here, before any process starts
+        self.float8 = float8
         self.seq_len = seq_len
         self.init_from = None if init_from is None else Path(init_from)
         self.model: Llama | GPT2 | None = None
@@ -138,6 +149,9 @@ class LlamaPretraining(pl.LightningModule):
         # sharding strategies materialise the meta model one shard per rank
         with torch.device("meta") if sharded else nullcontext():
             self.model = Llama(self.config)
+        if self.float8:
+            check_float8_device(self._trainer.strategy.root_device if self._trainer is not None else self.device)
+            convert_blocks_to_float8(self.model)  # before the strategy shards the blocks (and loads init_from)
         if self.init_from is not None:
             # The strategies materialise a meta model through each module's reset_parameters(), which now loads.
             install_hf_init(self.model, self.init_from, self.config)
@@ -217,7 +231,10 @@ class LlamaPretraining(pl.LightningModule):
         groups = [{"params": decayed, "weight_decay": hp.weight_decay}, {"params": kept, "weight_decay": 0.0}]
         if name == "adamw8bit":
             return AdamW8bit(groups, lr=hp.lr, betas=betas, eps=hp.eps, block_size=hp.get("quant_block", 128))
-        return torch.optim.AdamW(groups, lr=hp.lr, betas=betas, eps=hp.eps, fused=self.device.type == "cuda")
+        # one fused kernel per step on CUDA; elsewhere the multi-tensor (foreach) path, which torch picks by itself
+        # only for CUDA tensors (on the CPU it would step one tensor at a time)
+        cuda = self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=hp.lr, betas=betas, eps=hp.eps, fused=cuda, foreach=not cuda)
 
 
 def _config_of_hf_directory(directory: Path, preset: str | None, overrides: dict[str, Any], name: str) -> LlamaConfig:

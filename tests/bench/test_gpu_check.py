@@ -15,6 +15,7 @@ import torch
 
 from lightning_fedshard.bench.gpu_check import (
     CHECKS,
+    DEFAULT_BUDGET_S,
     Check,
     check_timeout_s,
     cuda_test_files,
@@ -105,7 +106,7 @@ def test_check_timeouts_shrink_to_the_budget():
     assert check_timeout_s(check, remaining_s=400.0) == 90.0
     assert check_timeout_s(check, remaining_s=50.0) == 45.0
     assert check_timeout_s(check, remaining_s=24.0) is None  # under 20 s after the reserve: not started
-    assert sum(c.timeout_s for c in CHECKS) < 8 * 60
+    assert sum(c.timeout_s for c in CHECKS) <= DEFAULT_BUDGET_S < 8 * 60  # every check gets its whole timeout
 
 
 @no_cuda
@@ -155,3 +156,38 @@ def test_the_dynamiq_step_check_times_every_ddp_bucket_of_the_preset_on_the_cpu(
     assert record["run"]["coordinates"] == LlamaConfig.from_name("llama3.1-tiny").num_parameters
     assert record["run"]["buckets"] == 2 and "one rank of 8" in record["figure"]
     assert "dynamiq-step" in {check.name for check in CHECKS}
+
+
+def test_the_llama_checks_compare_eager_compiled_and_float8_runs_of_the_1b_alike_and_train_the_8b():
+    llama = {c.name: c.kwargs for c in CHECKS if c.name.startswith("llama")}
+    assert list(llama) == ["llama", "llama-compile", "llama-float8", "llama-8b"]
+    shape = lambda kwargs: {k: v for k, v in kwargs.items() if k not in ("compile", "float8")}  # noqa: E731
+    assert shape(llama["llama"]) == shape(llama["llama-compile"]) == shape(llama["llama-float8"])
+    assert llama["llama-8b"]["preset"] == "llama3.1-8b" and llama["llama-8b"]["optimizer"] == "adamw8bit"
+
+
+def test_the_8b_check_fits_an_h100_by_the_estimate_and_fp32_parameters_would_not():
+    from lightning_fedshard.bench.gpu_check import LLAMA_8B, llama_memory_estimate
+    from lightning_fedshard.models import LlamaConfig
+
+    config, shape = LlamaConfig.from_name("llama3.1-8b"), (LLAMA_8B["batch"], 2048, True)
+    estimate = llama_memory_estimate(config, "bf16-true", "adamw8bit", *shape)
+    # 8.03e9 parameters: 2 bytes each for the weights and the gradients, 2 + 1/16 for AdamW8bit's codes and scales
+    assert estimate["parameters"] == estimate["gradients"] == round(2 * config.num_parameters / 2**30, 2)
+    assert 50 < estimate["total"] < 70 < 78  # an H100's usable memory
+    assert llama_memory_estimate(config, "bf16-mixed", "adamw8bit", *shape)["total"] > 80
+
+
+def test_the_8b_checks_code_path_runs_on_the_cpu_with_the_micro_preset(tmp_path):
+    from lightning_fedshard.bench.gpu_check import LLAMA_8B
+
+    small = {**LLAMA_8B, "preset": "llama3.1-micro", "batch": 2, "steps": 3, "warmup": 1}
+    command = [sys.executable, "lightning_fedshard/bench/gpu_check.py", "--child"]  # its own process, as run there
+    command += ["lightning_fedshard.bench.gpu_check:llama_throughput", "--result", str(tmp_path / "r.json")]
+    command += ["--kwargs", json.dumps({**small, "seq_len": 32, "accelerator": "cpu"})]
+    result = run_isolated(command, timeout=240)
+    assert result.returncode == 0, result.stderr[-6000:]
+    record = json.loads((tmp_path / "r.json").read_text())
+    (row,) = record["details"]
+    assert record["status"] == "pass" and row["optimizer"] == "AdamW8bit", record
+    assert row["compute dtype"] == "torch.bfloat16" and len(row["losses"]) == 3

@@ -274,3 +274,20 @@ def test_tracks_torch_adamw_at_least_as_well_as_bitsandbytes():
     ours_small, _ = issue_32_moves(lambda p: AdamW8bit(p, weight_decay=0.0, block_size=256))
     bnb_small, _ = issue_32_moves(lambda p: bnb.optim.AdamW8bit(p, weight_decay=0.0))
     assert abs(ours_small.mean() - ref_small.mean()) < abs(bnb_small.mean() - ref_small.mean())
+
+
+def test_a_large_parameter_stepped_in_pieces_takes_the_whole_tensors_step_to_the_bit(monkeypatch):
+    # pieces of 3 blocks over 1000 × 7 coordinates: 18 pieces, the last short and ending in a short block
+    torch.manual_seed(0)
+    whole = nn.Parameter(torch.randn(1000, 7))
+    pieced = nn.Parameter(whole.detach().clone())
+    optimizers = [AdamW8bit([p], lr=1e-2, weight_decay=0.1, block_size=128) for p in (whole, pieced)]
+    for step in range(3):
+        grad = torch.randn(1000, 7) * torch.logspace(-3, 0, 7)
+        for param, optimizer, piece in zip((whole, pieced), optimizers, (1 << 24, 3 * 128)):
+            monkeypatch.setattr("lightning_fedshard.optim.adamw8bit.PIECE_NUMEL", piece)
+            param.grad = grad.clone()
+            optimizer.step()
+        assert torch.equal(whole, pieced)
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+            assert torch.equal(optimizers[0].state[whole][key], optimizers[1].state[pieced][key]), (step, key)

@@ -30,7 +30,7 @@ def test_fsdp2_bf16_mixed_trains_llama_on_one_gpu(tmp_path, checkpointing: bool)
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["status"] == "pass", record
     (row,) = record["details"]
-    assert row["fused AdamW"] and row["compute dtype"] == "torch.bfloat16"
+    assert row["optimizer"] == "AdamW (fused)" and row["compute dtype"] == "torch.bfloat16"
     assert row["activation checkpointing"] is checkpointing
     # An untrained model's loss over 257 byte tokens: the output layer (σ = dim^-0.5, truncated at ±3σ) over the
     # unit-RMS final norm gives logits of variance 0.9733, so cross-entropy ≈ log V + 0.9733 / 2 (not log V).

@@ -48,6 +48,7 @@ def test_single_device_fit_uses_adamw_groups_and_the_schedule():
     assert {p.ndim for p in decayed["params"]} == {2} and {p.ndim for p in kept["params"]} == {1}
     assert len(decayed["params"]) + len(kept["params"]) == len(list(module.parameters()))
     assert decayed["betas"] == (0.9, 0.95)
+    assert all(g["foreach"] and not g["fused"] for g in optimizer.param_groups)  # multi-tensor off CUDA
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.1)  # warm-up 2, cosine to the floor at 4
     assert not any(p.is_meta for p in module.parameters())  # no sharding strategy: built on the device
 
