@@ -1,4 +1,5 @@
-"""Builds DynamiQ's CPU kernels at install (the rest of the package is configured in pyproject.toml).
+"""Builds DynamiQ's CPU kernels at install and maps the top-level ``recipes/`` folder into the package (the rest
+of the package is configured in pyproject.toml).
 
 The kernels are plain C, not a Python module: each library of ``cpu_kernels_build.VARIANTS`` (one per x86-64
 level; the portable one elsewhere) is a setuptools extension so that wheels and editable installs put it in
@@ -12,7 +13,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 # loaded by path: pip's isolated build environment has neither torch nor this package
 _spec = importlib.util.spec_from_file_location(
@@ -32,4 +33,13 @@ ext_modules = [
     )
     for variant in build.variants(sysconfig.get_platform().rsplit("-", 1)[-1])
 ]
-setup(ext_modules=ext_modules if os.name == "posix" else [])
+# The LightningCLI recipes live in the checkout's top-level recipes/ (where users and the design look for them)
+# and ship as the data package lightning_fedshard.recipes.shipped (its files: pyproject's package-data), where
+# lightning_fedshard.recipes finds them.
+# Listed here, not in pyproject.toml: a package mapped from another folder is not found by `packages.find`.
+RECIPES_PACKAGE = "lightning_fedshard.recipes.shipped"
+setup(
+    packages=[*find_packages(include=["lightning_fedshard*"]), RECIPES_PACKAGE],
+    package_dir={RECIPES_PACKAGE: "recipes"},
+    ext_modules=ext_modules if os.name == "posix" else [],
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,15 @@ def test_recipe_parses_and_its_strategy_fits_its_cluster(recipe, capsys):
             assert built.sync_every == 8
     else:
         assert (trainer["accelerator"], trainer["devices"], model["preset"]) == ("cpu", 4, "llama3.1-tiny")
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_progress_bar_is_on_in_a_terminal_and_off_otherwise(terminal, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    for recipe in RECIPES:  # no recipe decides it
+        assert print_config(capsys, "--config", str(recipe))["trainer"]["enable_progress_bar"] is terminal
+    off = print_config(capsys, "--config", str(RECIPES[0]), "--trainer.enable_progress_bar=false")
+    assert off["trainer"]["enable_progress_bar"] is False
 
 
 def test_strategies_are_selectable_by_registered_name(capsys):

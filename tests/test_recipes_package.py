@@ -1,5 +1,6 @@
-"""The recipes ship inside the package: found by name from any directory, listed by ``fedshard recipes``, and
-copied by the build (package data), so that nothing needs the repository root as the working directory."""
+"""The recipes live in the checkout's top-level ``recipes/`` and ship inside the package: found by name from any
+directory, listed by ``fedshard recipes``, and copied by the build (package data mapped from ``recipes/``), so that
+nothing needs the repository root as the working directory."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _first_comment(path: Path) -> str:
 
 
 def test_fedshard_recipes_lists_every_recipe_of_a_build_from_outside_the_checkout(tmp_path):
-    # setuptools copies what pyproject's package data names into a build tree (as a wheel would hold it); the
+    # setuptools copies the package data mapped from recipes/ into a build tree (as a wheel would hold it); the
     # listing then runs from an unrelated directory with only that tree importable
     build = tmp_path / "build"
     subprocess.run(
@@ -46,9 +47,9 @@ def test_fedshard_recipes_lists_every_recipe_of_a_build_from_outside_the_checkou
     lines = [line for line in listing.stdout.splitlines() if line and not line.startswith("Train one")]
     assert [line.split()[0] for line in lines] == EXPECTED
     for name, line in zip(EXPECTED, lines):
-        shipped = build / "lightning_fedshard" / "recipes" / f"{name}.yaml"
+        shipped = build / "lightning_fedshard" / "recipes" / "shipped" / f"{name}.yaml"
         assert line.split(None, 1)[1] == _first_comment(shipped) != ""
-        assert shipped.read_bytes() == (REPO / "lightning_fedshard" / "recipes" / f"{name}.yaml").read_bytes()
+        assert shipped.read_bytes() == (REPO / "recipes" / f"{name}.yaml").read_bytes()
 
 
 def test_a_recipe_name_gives_the_same_configuration_as_its_path_from_any_directory(tmp_path, monkeypatch, capsys):
@@ -61,7 +62,7 @@ def test_a_recipe_name_gives_the_same_configuration_as_its_path_from_any_directo
         assert exit_.value.code in (0, None)
         return yaml.safe_load(capsys.readouterr().out)
 
-    by_path = print_config("--config", str(REPO / "lightning_fedshard" / "recipes" / "tiny" / "fl_hsdp.yaml"))
+    by_path = print_config("--config", str(REPO / "recipes" / "tiny" / "fl_hsdp.yaml"))
     assert print_config("--config", "tiny/fl_hsdp") == by_path
     assert print_config("-c", "tiny/fl_hsdp.yaml") == by_path
     assert print_config("--config=tiny/fl_hsdp") == by_path
@@ -75,7 +76,7 @@ def test_config_values_that_are_paths_or_inline_yaml_pass_unchanged(tmp_path, mo
     args = ["fit", "--config", "tiny/hsdp", "--config", "{seed_everything: 3}", "--trainer.max_steps=2", "-c"]
     assert resolve_config_arguments(args) == args
     assert resolve_config_arguments(["fit", "--config", "tiny/fsdp2"]) == [
-        "fit", "--config", str(REPO / "lightning_fedshard" / "recipes" / "tiny" / "fsdp2.yaml"),
+        "fit", "--config", str(REPO / "recipes" / "tiny" / "fsdp2.yaml"),
     ]  # fmt: skip
 
 

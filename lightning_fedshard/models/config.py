@@ -94,7 +94,9 @@ class LlamaConfig:
 
 #: Named shapes. The 8B is Meta's Llama 3.1 8B (huggingface.co/meta-llama/Llama-3.1-8B, config.json);
 #: the 1B takes Llama 3.2 1B's shapes with an untied head; the tiny ones train on two CPU cores with
-#: the byte tokenizer (256 bytes + end-of-text).
+#: the byte tokenizer (256 bytes + end-of-text). The tiny ones have plain RoPE: Llama 3.1's scaling stretches a
+#: model trained on 8,192 tokens to 128K, which says nothing about a model trained from scratch on at most 1,024
+#: (and `transformers` warns on loading a config whose original context is not below its maximum).
 PRESETS: dict[str, LlamaConfig] = {
     "llama3.1-8b": LlamaConfig(name="llama3.1-8b"),
     "llama3.1-1b": LlamaConfig(name="llama3.1-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
@@ -106,9 +108,18 @@ PRESETS: dict[str, LlamaConfig] = {
         n_heads=4,
         n_kv_heads=2,
         ffn_dim=384,
+        rope_scaling=None,
         max_seq_len=1024,
     ),
     "llama3.1-micro": LlamaConfig(
-        name="llama3.1-micro", vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256
+        name="llama3.1-micro",
+        vocab_size=257,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        rope_scaling=None,
+        max_seq_len=256,
     ),
 }

@@ -1,9 +1,11 @@
 """The LightningCLI recipes that ship with the package, found by name from any directory.
 
-Each recipe is a YAML file in this folder, named by its path without ``.yaml`` (``tiny/fl_hsdp``,
-``llama3.1-8b/hsdp``); the first line of its header comment is its one-line description. Being package data,
-they are there after ``pip install`` wherever the command runs: ``fedshard fit --config tiny/fl_hsdp`` and
-``fedshard recipes`` (the list) need no checkout. A ``--config`` value that names an existing file stays a path.
+Each recipe is a YAML file in the checkout's top-level ``recipes/`` folder, named by its path without ``.yaml``
+(``tiny/fl_hsdp``, ``llama3.1-8b/hsdp``); the first line of its header comment is its one-line description. The
+build maps that folder into the package as ``lightning_fedshard/recipes/shipped/`` (package data, see setup.py),
+so they are there after ``pip install`` wherever the command runs: ``fedshard fit --config tiny/fl_hsdp`` and
+``fedshard recipes`` (the list) need no checkout, and ``--config recipes/tiny/fl_hsdp.yaml`` works in the
+checkout. A ``--config`` value that names an existing file stays a path.
 """
 
 from __future__ import annotations
@@ -11,10 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RECIPES", "Recipe", "format_listing", "list_recipes", "recipe_file", "resolve_config_arguments"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "format_listing",
+    "list_recipes",
+    "recipe_file",
+    "recipes_folder",
+    "resolve_config_arguments",
+]
 
-#: The folder the recipes ship in (inside the installed package).
-RECIPES = Path(__file__).resolve().parent
+
+def recipes_folder(package: Path = Path(__file__).resolve().parent) -> Path:
+    """Where the recipes are: the copy a wheel or a build holds inside ``package``, else (an editable install or
+    the checkout on ``PYTHONPATH``) the checkout's top-level ``recipes/``, two levels above ``package``."""
+    shipped = package / "shipped"
+    return shipped if shipped.is_dir() else package.parents[1] / "recipes"
+
+
+#: The folder the recipes are read from.
+RECIPES = recipes_folder()
 
 _SUFFIX = ".yaml"
 _CONFIG_FLAGS = ("--config", "-c")

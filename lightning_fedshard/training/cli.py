@@ -19,7 +19,9 @@ class FedShardCLI(LightningCLI):
     """LightningCLI over :class:`LlamaPretraining` and :class:`TextDataModule`.
 
     The data module's ``seq_len`` is linked to the model's, and the tokenizer's vocabulary is checked against
-    the model's embedding before any process starts.
+    the model's embedding before any process starts. Lightning's progress bar (drawn by rank 0) is on by default
+    when standard output is a terminal and off otherwise (CI, batch jobs, output piped to a file), where its
+    carriage returns would only fill the log; ``--trainer.enable_progress_bar`` decides either way.
 
     Example::
 
@@ -46,6 +48,7 @@ class FedShardCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.seq_len", "model.seq_len")
+        parser.set_defaults({"trainer.enable_progress_bar": sys.stdout.isatty()})
 
     def _check_vocab(self) -> None:
         self.model.check_vocab(self.datamodule.vocab_size)

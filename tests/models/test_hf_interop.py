@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 import uuid
 from pathlib import Path
@@ -73,14 +74,29 @@ def hf_rows(ours: torch.Tensor, n_heads: int) -> torch.Tensor:
     return ours[order]
 
 
-# Besides the presets' Llama 3.1 scaling (original context 8192), one whose every field differs from it.
-SHORT_CONTEXT = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0, "original_max_position": 32}
+# The tiny presets have plain RoPE; Llama 3.1's own scaling (original context 8192) on a context past it; and a
+# scaling whose every field differs from Llama 3.1's.
+LLAMA31_CONTEXT = {"rope_scaling": {}, "max_seq_len": 16384}
+SHORT_CONTEXT = {
+    "rope_scaling": {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0, "original_max_position": 32}
+}
+
+
+class TransformersLog(logging.Handler):
+    """What ``transformers`` logs at WARNING or above while it is attached (its loggers do not propagate)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 @pytest.mark.parametrize(
     ("preset", "overrides"),
-    [("llama3.1-tiny", {}), ("llama3.1-micro", {}), ("llama3.1-micro", {"rope_scaling": SHORT_CONTEXT})],
-    ids=["tiny", "micro", "micro-short-context"],
+    [("llama3.1-tiny", {}), ("llama3.1-micro", LLAMA31_CONTEXT), ("llama3.1-micro", SHORT_CONTEXT)],
+    ids=["tiny", "micro-llama3.1-scaling", "micro-short-context"],
 )
 def test_exported_model_gives_transformers_the_same_logits(preset, overrides, tmp_path):
     model = model_of(preset, seed=0, **overrides)
@@ -90,24 +106,34 @@ def test_exported_model_gives_transformers_the_same_logits(preset, overrides, tm
     assert len(weight_map) == 2 + 9 * len(model.layers) + 1 and len(set(weight_map.values())) > 1
     config = json.loads((out / "config.json").read_text())
     scaling = model.config.rope_scaling
-    assert config["rope_scaling"] == {
-        "factor": scaling.factor,
-        "low_freq_factor": scaling.low_freq_factor,
-        "high_freq_factor": scaling.high_freq_factor,
-        "original_max_position_embeddings": scaling.original_max_position,
-        "rope_type": "llama3",
-    }
+    assert config["rope_scaling"] == (
+        None
+        if scaling is None
+        else {
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position,
+            "rope_type": "llama3",
+        }
+    )
     assert (config["tie_word_embeddings"], config["rms_norm_eps"], config["rope_theta"]) == (False, 1e-5, 500000.0)
     assert config["num_key_value_heads"] == 2 and config["torch_dtype"] == "float32"
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    log = TransformersLog()
+    logging.getLogger("transformers").addHandler(log)
+    try:
+        hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    finally:
+        logging.getLogger("transformers").removeHandler(log)
+    assert log.messages == []  # an exported config.json loads without warnings
     tokens = torch.randint(0, 257, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=0, atol=1e-5)
-        # the comparison sees the scaling: without it our logits move far past the tolerance
-        unscaled = Llama(dataclasses.replace(model.config, rope_scaling=None))
-        unscaled.load_state_dict(model.state_dict())
-        assert (unscaled(tokens) - model(tokens)).abs().max() > 1e-4
+        if scaling is not None:  # the comparison sees the scaling: without it our logits move far past the tolerance
+            unscaled = Llama(dataclasses.replace(model.config, rope_scaling=None))
+            unscaled.load_state_dict(model.state_dict())
+            assert (unscaled(tokens) - model(tokens)).abs().max() > 1e-4
 
 
 def test_round_trip_reproduces_every_parameter_bit_for_bit(tmp_path):
