@@ -9,6 +9,7 @@ BENCHMARKS = {
     "recipes": "lightning_fedshard.bench.recipes",
     "compression": "lightning_fedshard.bench.compression",
     "verify-memory": "lightning_fedshard.bench.verify_memory",
+    "syncs": "lightning_fedshard.bench.syncs",
     "operators": "lightning_fedshard.bench.operators",
     "costmodel": "lightning_fedshard.bench.costmodel",
     "multitier": "lightning_fedshard.bench.multitier",

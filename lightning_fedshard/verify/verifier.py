@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fedshard._torch_compat import require_extra
+from lightning_fedshard.verify import syncs
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import RootBounds, input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
@@ -64,7 +65,8 @@ class _Run:
     def timed(self, phase: str, fn, *args, **kwargs):
         start = time.monotonic()
         try:
-            return fn(*args, **kwargs)
+            with syncs.phase(phase):
+                return fn(*args, **kwargs)
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.monotonic() - start
 

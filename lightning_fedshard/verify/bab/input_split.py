@@ -54,6 +54,7 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample, free_coordinates
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least
+from lightning_fedshard.verify.syncs import note_round
 
 __all__ = ["RootBounds", "input_split"]
 
@@ -331,6 +332,7 @@ def input_split(
                 search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
             search.rounds += 1
+            note_round()
             if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
                 worst = spec.value(margins).argsort()[:_ATTACK_BOXES]
                 worst_boxes = boxes.take(worst).interval(shape)

@@ -36,6 +36,7 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import collective_device, lockstep
+from lightning_fedshard.verify.syncs import note_round
 
 __all__ = ["BabOutcome", "branch_and_bound"]
 
@@ -199,6 +200,7 @@ def branch_and_bound(
             )
             max_depth, stuck = max(max_depth, depth), stuck or round_stuck
         rounds += 1
+        note_round()
         if parallel is not None:
             cex = parallel.first_counterexample(cex)
         if cex is not None:
