@@ -258,8 +258,9 @@ def _round(
     children = children.take(open_)
     kept = {name: A[:, open_] for name, A in result.kept.items()}
     splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates)
-    if not bool(splittable.all()):
+    chosen = splittable.nonzero().flatten()  # its length says whether all are: one host sync, not two
+    if len(chosen) < len(splittable):
         unsplittable = children.take((~splittable).nonzero().flatten())
         stuck = stuck or not _settle(graph, spec, box, unsplittable, config)
-    pool.push(children.take(splittable.nonzero().flatten()))
+    pool.push(children.take(chosen))
     return None, n, depth, stuck
