@@ -63,3 +63,36 @@ def test_a_verification_run_is_counted_per_phase(files):  # noqa: F811
     assert result.verdict.value == "unsat" and syncs.total > 0
     assert "attack" in syncs.by_phase() and set(syncs.by_phase()) - {"other"} <= set(result.times)
     assert all(site.startswith("lightning_fedshard/") for site, _, _ in syncs.top(5))
+
+
+def test_splitting_domains_waits_for_nothing():
+    """Which domains split which node stays on the device (it was a ``nonzero`` per node and round)."""
+    from tests.verify.test_domains import _domains
+
+    parents = _domains(torch.tensor([4, 7, 9]))
+    with SyncCounter(assume_device=True) as syncs:
+        parents.split(["z"], torch.tensor([0, 0, 1]), torch.tensor([1, 2, 0]), torch.tensor([0.0, 2.5, 1.0]))
+    assert syncs.total == 0, syncs.top(3)
+
+
+def test_coefficients_of_the_same_rows_read_their_positions_once():
+    """The steps of a pass through patches share the rows' layout: read at the first step, not at each."""
+    from lightning_fedshard.verify.ops.patches import Patches
+
+    rows = Patches.identity(torch.tensor([0, 17, 40, 41]), batch=1, shape=(4, 8, 8), dtype=torch.float32)
+    value = torch.rand(1, 4, 8, 8) + 0.5
+    with SyncCounter(assume_device=True) as first:
+        rows * value
+    with SyncCounter(assume_device=True) as later:
+        (-(rows * value) * value).contract(value)
+    assert first.total > 0 and later.total == 0, later.top(3)
+
+
+def test_a_select_transposes_without_waiting():
+    from lightning_fedshard.verify.ops.structural import Select
+
+    pick = Select(torch.tensor([1, -1, 0, 2]), in_shape=(3,), out_shape=(4,), fill=torch.zeros(4))
+    A = torch.arange(8.0).view(2, 1, 4)
+    with SyncCounter(assume_device=True) as syncs:
+        A_in = pick.transpose(A)
+    assert syncs.total == 0 and A_in.tolist() == [[[2.0, 0.0, 3.0]], [[6.0, 4.0, 7.0]]]
