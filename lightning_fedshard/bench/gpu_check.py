@@ -16,8 +16,8 @@ Checks (:data:`CHECKS`), each with a pass/fail line, its figure and the peak CUD
   tokens/s and MFU against the dense bf16 peak (:data:`H200_BF16_PEAK`, the datasheet's) and against a bf16
   matrix product timed in the same process; without and with activation checkpointing;
 - ``verify``: VNN-COMP instances of mnist_fc 256x6, acasxu and a verivital conv net on CUDA and on the CPU, same
-  verdicts, time per instance side by side, and where ``--device auto`` puts each (the benchmark files come from ``--vnncomp``, ``$FEDSHARD_VNNCOMP``, ``./.vnncomp`` or
-  ``../shared/vnncomp``).
+  verdicts, time per instance side by side, and where ``--device auto`` puts each (the benchmark files come from
+  ``--vnncomp``, ``$FEDSHARD_VNNCOMP``, ``./.vnncomp`` or ``../shared/vnncomp``).
 
 Example::
 
@@ -493,11 +493,11 @@ def verify_cuda_vs_cpu(
 ) -> dict:
     """Each of ``instances`` verified on ``devices[0]`` (CUDA) and ``devices[1]`` (the CPU), same config: no sat/unsat
     contradiction, how many verdicts are the same, the time per instance side by side with what decided it and the
-    phases' times; and where ``--device auto`` puts the instance (:func:`~lightning_fedshard.verify.device.resolve_device`
-    on the loaded net), with its time against the CPU's: that of the device it picks, whose run it would be (the
-    target: none slower than on the CPU). An instance starts only while ``budget_s`` leaves room for both of its
-    runs at their timeout; the others are listed as not run. (``devices=("auto", "cpu")`` checks the check on a
-    CPU.)"""
+    phases' times; and where ``--device auto`` puts the instance
+    (:func:`~lightning_fedshard.verify.device.resolve_device` on the loaded net), with its time against the CPU's:
+    that of the device it picks, whose run it would be (the target: none slower than on the CPU). An instance
+    starts only while ``budget_s`` leaves room for both of its runs at their timeout; the others are listed as not
+    run. (``devices=("auto", "cpu")`` checks the check on a CPU.)"""
     import importlib.util
 
     import torch
@@ -531,7 +531,7 @@ def verify_cuda_vs_cpu(
             row[f"{device} s"], row[f"{device} phases"] = sum(result.times.values()), _phases(result)
         answers = {row[f"{devices[0]} verdict"], row[f"{devices[1]} verdict"]}
         row["same"], row["contradiction"] = len(answers) == 1, answers == {"sat", "unsat"}
-        row["auto s"] = row[f"{devices[0] if auto.type == 'cuda' else devices[1]} s"]
+        row["auto pick s"] = row[f"{devices[0] if auto.type == 'cuda' else devices[1]} s"]
         rows.append(row)
     run = [r for r in rows if "same" in r]
     same, contradictions = sum(r["same"] for r in run), sum(r["contradiction"] for r in run)
@@ -540,9 +540,10 @@ def verify_cuda_vs_cpu(
         ratios = sorted(r[f"{devices[1]} s"] / r[f"{device} s"] for r in run if r[f"{device} s"] > 0)
         return ratios[len(ratios) // 2] if ratios else float("nan")
 
-    slower = [r["instance"] for r in run if r["auto s"] > r[f"{devices[1]} s"]]
+    slower = [r["instance"] for r in run if r["auto pick s"] > r[f"{devices[1]} s"]]
     figure = f"{same}/{len(run)} same verdict, {contradictions} sat/unsat contradictions, median"
-    figure += f" {devices[1]}/{devices[0]} time {median_ratio(devices[0]):.2f}×, {devices[1]}/auto {median_ratio('auto'):.2f}×"
+    figure += f" {devices[1]}/{devices[0]} time {median_ratio(devices[0]):.2f}×,"
+    figure += f" {devices[1]}/auto {median_ratio('auto pick'):.2f}×"
     figure += f"; auto on cuda for {sum(r['auto'].startswith('cuda') for r in run)}, slower than {devices[1]}: "
     figure += ", ".join(slower) if slower else "none"
     # A sat on one device and a timeout on the other is the deadline's doing (the attack's share of the timeout),

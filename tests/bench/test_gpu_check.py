@@ -161,4 +161,4 @@ def test_the_verify_check_compares_devices_and_where_auto_puts_each_instance():
     assert mnist["cpu by"] == "pgd" and conv["cpu by"] == "ibp" and "attack" in conv["cpu phases"]
     # where a GPU is there, auto keeps the MLPs on the CPU and sends the conv net to it; here, all on the CPU
     assert mnist["pass GFLOP"] < 1 <= conv["pass GFLOP"] and {r["auto"] for r in (mnist, acasxu, conv)} == {"cpu"}
-    assert all(r["auto s"] == r["cpu s"] for r in (mnist, acasxu, conv))
+    assert all(r["auto pick s"] == r["cpu s"] for r in (mnist, acasxu, conv))
