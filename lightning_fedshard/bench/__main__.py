@@ -10,6 +10,7 @@ BENCHMARKS = {
     "compression": "lightning_fedshard.bench.compression",
     "dynamiq-step": "lightning_fedshard.bench.dynamiq_step",
     "verify-memory": "lightning_fedshard.bench.verify_memory",
+    "syncs": "lightning_fedshard.bench.syncs",
     "operators": "lightning_fedshard.bench.operators",
     "costmodel": "lightning_fedshard.bench.costmodel",
     "multitier": "lightning_fedshard.bench.multitier",

@@ -20,9 +20,9 @@ Checks (:data:`CHECKS`), each with a pass/fail line, its figure and the peak CUD
   tokens/s, MFU, the memory estimate against the peak;
 - ``dynamiq-step``: what DynamiQ's compression costs one rank of an 8-rank ring per step of Llama 3.1 1B's gradients
   (DDP's 25 MiB buckets, messages looped back on the GPU; ``fedshard bench dynamiq-step``), against bf16;
-- ``verify``: VNN-COMP instances of mnist_fc 256x6 and acasxu on CUDA and on the CPU, same verdicts, time per
-  instance side by side (the benchmark files come from ``--vnncomp``, ``$FEDSHARD_VNNCOMP``, ``./.vnncomp`` or
-  ``../shared/vnncomp``).
+- ``verify``: VNN-COMP instances of mnist_fc 256x6, acasxu and a verivital conv net on CUDA and on the CPU, same
+  verdicts, time per instance side by side, and where ``--device auto`` puts each (the benchmark files come from
+  ``--vnncomp``, ``$FEDSHARD_VNNCOMP``, ``./.vnncomp`` or ``../shared/vnncomp``).
 
 Example::
 
@@ -42,7 +42,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -574,30 +575,74 @@ def vnncomp_root(given: str | None = None) -> Path | None:
 
 #: Instances of the CPU benchmark (docs/benchmarks.md) that decide well within 60 s on one core of the development
 #: machine (measured there with a 10 s timeout, loading included): mnist_fc 256x6 at ε = 0.03 (CROWN 1.2–1.7 s,
-#: α-CROWN 2.0 and 9.5 s, PGD 0.3 s) and acasxu across its property families (input splitting 3–7 s, PGD 0.2 s).
+#: α-CROWN 2.0 and 9.5 s, PGD 0.3 s) and acasxu across its property families (input splitting 3–7 s, PGD 0.2 s);
+#: then a conv net with max pooling, verivital's Convnet_maxpool (CROWN through patches, 6 s on one loaded core at
+#: a 30 s timeout), last and with a shorter timeout: it starts while the budget has room for its two runs.
+#: ``(set, onnx, vnnlib, timeout in seconds per device)``.
 VERIFY_INSTANCES = tuple(
-    [("mnist_fc_2022", "onnx/mnist-net_256x6.onnx", f"vnnlib/prop_{p}_0.03.vnnlib") for p in (0, 2, 3, 6, 12)]
+    [("mnist_fc_2022", "onnx/mnist-net_256x6.onnx", f"vnnlib/prop_{p}_0.03.vnnlib", 20.0) for p in (0, 2, 3, 6, 12)]
     + [
-        ("acasxu_2022", f"onnx/ACASXU_run2a_{net}_batch_2000.onnx.gz", f"vnnlib/prop_{p}.vnnlib")
+        ("acasxu_2022", f"onnx/ACASXU_run2a_{net}_batch_2000.onnx.gz", f"vnnlib/prop_{p}.vnnlib", 20.0)
         for net, p in (("1_1", 1), ("1_2", 2), ("1_1", 4), ("1_9", 7), ("1_1", 10))
     ]
+    + [("verivital_2021", "onnx/Convnet_maxpool.onnx.gz", "vnnlib/maxpool_specs/prop_2_0.004.vnnlib", 10.0)]
 )
-#: Per instance and device (these instances take 0.2–10 s on one loaded core of the development machine).
-VERIFY_TIMEOUT_S = 20.0
+
+
+def _warm_cuda() -> None:
+    """The CUDA context, cuBLAS, cuDNN's convolutions and the autograd engine's CUDA thread, untimed: the first
+    instance that needs each would otherwise pay for it."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.ones(2, 3, 8, 8, device="cuda", requires_grad=True)
+    weight = torch.ones(4, 3, 3, 3, device="cuda")
+    y = F.conv2d(x, weight) @ torch.ones(6, 6, device="cuda")
+    F.conv_transpose2d(y.detach(), weight)
+    y.sum().backward()
+    torch.cuda.synchronize()
+
+
+def _phases(result) -> str:
+    """Where an instance's time went: ``phase seconds`` for each phase that took any."""
+    return " ".join(f"{phase} {seconds:.2f}" for phase, seconds in result.times.items() if seconds >= 0.005)
+
+
+@contextmanager
+def _one_cpu_thread(active: bool) -> Iterator[None]:
+    """torch computes on one thread inside the block when ``active`` (the GPU machine's CPU has 16 cores)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if active:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def verify_cuda_vs_cpu(
-    root: str | None = None, budget_s: float = 60.0, devices: tuple[str, str] = ("cuda", "cpu")
+    root: str | None = None,
+    budget_s: float = 60.0,
+    devices: tuple[str, str] = ("cuda", "cpu"),
+    instances: tuple[tuple[str, str, str, float], ...] = VERIFY_INSTANCES,
 ) -> dict:
-    """Each of :data:`VERIFY_INSTANCES` verified on CUDA and on the CPU (same config): no sat/unsat contradiction,
-    how many verdicts are the same, the time per instance side by side. An instance starts only while ``budget_s`` leaves room for both of its runs at
-    their timeout; the others are listed as not run. (``devices=("auto", "cpu")`` checks the check on a CPU.)"""
+    """Each of ``instances`` verified on ``devices[0]`` (CUDA) and ``devices[1]`` (the CPU), same config: no sat/unsat
+    contradiction, how many verdicts are the same, the time per instance side by side with what decided it and the
+    phases' times; and where ``--device auto`` puts the instance
+    (:func:`~lightning_fedshard.verify.device.resolve_device` on the loaded net), with its time against the CPU's:
+    that of the device it picks, whose run it would be (the target: none slower than on the CPU). The CPU runs on
+    one thread (the target is CUDA against one core). An instance
+    starts only while ``budget_s`` leaves room for both of its runs at their timeout; the others are listed as not
+    run. (``devices=("auto", "cpu")`` checks the check on a CPU.)"""
     import importlib.util
 
     import torch
 
-    from lightning_fedshard.verify import VerifyConfig, verify_files
+    from lightning_fedshard.verify import VerifyConfig, load_onnx, verify_files
     from lightning_fedshard.verify.config import Refine
+    from lightning_fedshard.verify.device import bound_pass_flops, resolve_device
 
     folder = vnncomp_root(root)
     if folder is None:
@@ -605,29 +650,41 @@ def verify_cuda_vs_cpu(
     # MILP refinement needs highspy; where the machine lacks it both devices run without it (said in the table)
     refine = Refine.AUTO if importlib.util.find_spec("highspy") is not None else Refine.NONE
     if torch.cuda.is_available():
-        torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # CUDA context and cuBLAS, untimed
+        _warm_cuda()
     deadline, rows = time.monotonic() + budget_s, []
-    for benchmark, onnx, vnnlib in VERIFY_INSTANCES:
+    for benchmark, onnx, vnnlib, timeout in instances:
         net = Path(onnx).name.split(".")[0].replace("_batch_2000", "")
         row = {"instance": f"{net} {Path(vnnlib).stem}", "refine": refine.value}
-        if time.monotonic() + 2 * VERIFY_TIMEOUT_S > deadline:
+        if time.monotonic() + 2 * timeout > deadline:
             rows.append({**row, "note": "not run: budget"})
             continue
         files = folder / benchmark / onnx, folder / benchmark / vnnlib
+        graph = load_onnx(files[0])
+        auto = resolve_device("auto", local_rank=0, graph=graph)
+        row["pass GFLOP"], row["auto"] = round(bound_pass_flops(graph) / 1e9, 3), str(auto)
         for device in devices:
-            config = VerifyConfig(timeout=VERIFY_TIMEOUT_S, device=device, refine=refine)
-            result = verify_files(*files, config)
-            row[f"{device} verdict"] = result.verdict.value
-            row[f"{device} s"] = sum(result.times.values())
+            config = VerifyConfig(timeout=timeout, device=device, refine=refine)
+            with _one_cpu_thread(device == "cpu"):  # the target compares CUDA with one CPU core
+                result = verify_files(*files, config)
+            row[f"{device} verdict"], row[f"{device} by"] = result.verdict.value, result.decided_by
+            row[f"{device} s"], row[f"{device} phases"] = sum(result.times.values()), _phases(result)
         answers = {row[f"{devices[0]} verdict"], row[f"{devices[1]} verdict"]}
         row["same"], row["contradiction"] = len(answers) == 1, answers == {"sat", "unsat"}
+        row["auto pick s"] = row[f"{devices[0] if auto.type == 'cuda' else devices[1]} s"]
         rows.append(row)
     run = [r for r in rows if "same" in r]
     same, contradictions = sum(r["same"] for r in run), sum(r["contradiction"] for r in run)
-    speedups = [r[f"{devices[1]} s"] / r[f"{devices[0]} s"] for r in run if r[f"{devices[0]} s"] > 0]
-    median = sorted(speedups)[len(speedups) // 2] if speedups else float("nan")
+
+    def median_ratio(device: str) -> float:
+        ratios = sorted(r[f"{devices[1]} s"] / r[f"{device} s"] for r in run if r[f"{device} s"] > 0)
+        return ratios[len(ratios) // 2] if ratios else float("nan")
+
+    slower = [r["instance"] for r in run if r["auto pick s"] > r[f"{devices[1]} s"]]
     figure = f"{same}/{len(run)} same verdict, {contradictions} sat/unsat contradictions, median"
-    figure += f" {devices[1]}/{devices[0]} time {median:.2f}×"
+    figure += f" {devices[1]}/{devices[0]} time {median_ratio(devices[0]):.2f}×,"
+    figure += f" {devices[1]}/auto {median_ratio('auto pick'):.2f}×"
+    figure += f"; auto on cuda for {sum(r['auto'].startswith('cuda') for r in run)}, slower than {devices[1]}: "
+    figure += ", ".join(slower) if slower else "none"
     # A sat on one device and a timeout on the other is the deadline's doing (the attack's share of the timeout),
     # not the device's; sat against unsat would be a soundness bug, and each sat's counterexample was replayed.
     return {"status": "pass" if run and not contradictions else "fail", "figure": figure, "details": rows}

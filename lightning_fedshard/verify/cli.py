@@ -110,8 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         choices=DEVICE_CHOICES,
-        help="where model, bounds and domains live: cpu, cuda (each rank its own GPU) or auto (cuda where available); "
-        "default cpu, cuda with --accelerator gpu. LP/MILP refinement solves on the CPU either way",
+        help="where model, bounds and domains live: cpu, cuda (each rank its own GPU) or auto (cuda where available "
+        "and the net is big enough for a GPU to win, see verify.device.AUTO_CUDA_FLOPS); default cpu, cuda with "
+        "--accelerator gpu. LP/MILP refinement solves on the CPU either way",
     )
     parser.add_argument(
         "--memory",

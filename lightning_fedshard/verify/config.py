@@ -148,7 +148,9 @@ class VerifyConfig:
     measure_memory: bool = False
     seed: int = 0
     #: Where the model, boxes, bounds, branch-and-bound domains and attacks live: ``cpu``, ``cuda`` (each rank
-    #: of a sharded run on GPU ``LOCAL_RANK % device_count``), ``cuda:N``, or ``auto`` (``cuda`` where available).
+    #: of a sharded run on GPU ``LOCAL_RANK % device_count``), ``cuda:N``, or ``auto`` (``cuda`` where available
+    #: and one bound pass of the net is big enough for a GPU to win:
+    #: :data:`~lightning_fedshard.verify.device.AUTO_CUDA_FLOPS`).
     #: LP/MILP refinement solves on the CPU (HiGHS) whatever the device. Checked at construction: ``cuda``
     #: without CUDA is a ``ValueError`` before anything runs.
     device: str = "cpu"

@@ -165,12 +165,17 @@ def first_counterexample(
     if value is None:
         with torch.no_grad():
             value = spec.point_value(graph(points))
-    hits = (value <= 0).nonzero().flatten()
+    # The first CONFIRMATIONS hits in one read of the host (a nonzero and a read of its result would be two): the
+    # misses' positions are replaced by P, which sorts after every point.
+    count = value.shape[0]
+    positions = torch.arange(count, device=value.device)
+    first = torch.where(value <= 0, positions, count).topk(min(CONFIRMATIONS, count), largest=False).values
+    hits = [index for index in first.tolist() if index < count]
     if graph.model is None:
-        return points[hits[0]].detach().clone() if hits.numel() else None
+        return points[hits[0]].detach().clone() if hits else None
     matrix, rhs = (t.cpu().numpy() for t in spec.exact)
     disjuncts = spec.disjunct.cpu().numpy()
-    for index in hits[:CONFIRMATIONS].tolist():
+    for index in hits:
         x = points[index].detach().double().flatten().cpu().numpy()
         margins = matrix @ graph.model(x) - rhs
         if any(bool(np.all(margins[disjuncts == d] <= REPLAY_TOLERANCE)) for d in range(spec.num_disjuncts)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fedshard._torch_compat import require_extra
+from lightning_fedshard.verify import syncs
 from lightning_fedshard.verify.attack import pgd_attack
 from lightning_fedshard.verify.bab.input_split import RootBounds, input_split
 from lightning_fedshard.verify.bab.loop import branch_and_bound
@@ -64,7 +66,8 @@ class _Run:
     def timed(self, phase: str, fn, *args, **kwargs):
         start = time.monotonic()
         try:
-            return fn(*args, **kwargs)
+            with syncs.phase(phase):
+                return fn(*args, **kwargs)
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.monotonic() - start
 
@@ -430,12 +433,18 @@ def verify_files(
     collective then fails), never be caught and skipped, or the ranks' collectives would no longer match.
     """
     config, plan = config or VerifyConfig(), plan or ShardPlan()
-    start, device = time.monotonic(), resolve_device(config.device)
+    # auto picks its device by the net's size: the model is loaded on the CPU first (every rank of a sharded run
+    # loads the same one, so they all pick the same device type)
+    auto = config.device == "auto"
+    start, device = time.monotonic(), torch.device("cpu") if auto else resolve_device(config.device)
     budget = Budget.from_config(config, device)
     try:
         graph, prop = _load_everywhere(onnx_path, vnnlib_path, plan, budget, device)
     except _AnsweredAtLoad as answer:
         return VerificationResult(answer.verdict, times={"load": time.monotonic() - start}, reason=answer.reason)
+    if auto and (device := resolve_device("auto", graph=graph)).type != "cpu":
+        budget = dataclasses.replace(Budget.from_config(config, device), deadline=budget.deadline)
+        graph = graph.to(device=device)
     forward = model_forward(onnx_path, graph)
     sharded = plan.shard(graph)
     sharded.model = forward  # counterexamples count once the model itself confirms them
@@ -485,7 +494,8 @@ def prepare_files(onnx_path: str | Path, vnnlib_path: str | Path, device: str = 
 
         prepare_files("net.onnx", "prop.vnnlib")  # '5 inputs, 5 outputs, 1 input box(es), 1 unsafe set(s)'
     """
-    graph = load_onnx(onnx_path, device=resolve_device(device))
+    graph = load_onnx(onnx_path, device="cpu" if device == "auto" else resolve_device(device))
+    graph = graph.to(device=resolve_device(device, graph=graph)) if device == "auto" else graph
     prop = read_vnnlib(vnnlib_path, graph.input.size, graph.output.size)
     box = prop.cases[0].box
     centre = (box.lower + box.upper) / 2

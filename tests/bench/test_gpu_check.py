@@ -23,6 +23,8 @@ from lightning_fedshard.bench.gpu_check import (
     junit_outcome,
     main,
     run_checks,
+    verify_cuda_vs_cpu,
+    vnncomp_root,
     write_summary,
 )
 from tests.launching import REPO, run_isolated
@@ -191,3 +193,22 @@ def test_the_8b_checks_code_path_runs_on_the_cpu_with_the_micro_preset(tmp_path)
     (row,) = record["details"]
     assert record["status"] == "pass" and row["optimizer"] == "AdamW8bit", record
     assert row["compute dtype"] == "torch.bfloat16" and len(row["losses"]) == 3
+
+
+@pytest.mark.skipif(vnncomp_root() is None, reason="the VNN-COMP files (../shared/vnncomp or ./.vnncomp) are absent")
+def test_the_verify_check_compares_devices_and_where_auto_puts_each_instance():
+    """On the CPU, ``auto`` against ``cpu``: two counterexamples found by the attack and a conv net of verivital
+    (proven by interval bounds after a short attack), each instance once per device."""
+    instances = (
+        ("mnist_fc_2022", "onnx/mnist-net_256x6.onnx", "vnnlib/prop_6_0.03.vnnlib", 10.0),
+        ("acasxu_2022", "onnx/ACASXU_run2a_1_2_batch_2000.onnx.gz", "vnnlib/prop_2.vnnlib", 10.0),
+        ("verivital_2021", "onnx/Convnet_avgpool.onnx.gz", "vnnlib/avgpool_specs/prop_2_0.02.vnnlib", 3.0),
+    )
+    outcome = verify_cuda_vs_cpu(budget_s=60.0, devices=("auto", "cpu"), instances=instances)
+    assert outcome["status"] == "pass" and outcome["figure"].startswith("3/3 same verdict, 0 sat/unsat"), outcome
+    mnist, acasxu, conv = outcome["details"]
+    assert [r["cpu verdict"] for r in (mnist, acasxu, conv)] == ["sat", "sat", "unsat"]
+    assert mnist["cpu by"] == "pgd" and conv["cpu by"] == "ibp" and "attack" in conv["cpu phases"]
+    # where a GPU is there, auto keeps the MLPs on the CPU and sends the conv net to it; here, all on the CPU
+    assert mnist["pass GFLOP"] < 1 <= conv["pass GFLOP"] and {r["auto"] for r in (mnist, acasxu, conv)} == {"cpu"}
+    assert all(r["auto pick s"] == r["cpu s"] for r in (mnist, acasxu, conv))

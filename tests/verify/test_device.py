@@ -11,7 +11,7 @@ import torch
 
 from lightning_fedshard.verify import VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.crown import backward_bound
-from lightning_fedshard.verify.device import resolve_device
+from lightning_fedshard.verify.device import AUTO_CUDA_FLOPS, bound_pass_flops, resolve_device
 from lightning_fedshard.verify.objective import box_tensor
 from lightning_fedshard.verify.onnx_loader import load_onnx
 from tests.verify.nets import random_mlp, resnet
@@ -38,6 +38,29 @@ def test_cpu_and_auto_without_cuda_are_the_cpu(monkeypatch):
 )
 def test_each_rank_takes_its_own_gpu(four_gpus, name, local_rank, expected):
     assert resolve_device(name, local_rank) == torch.device(expected)
+
+
+def test_one_bound_pass_is_the_forward_products_times_the_widest_bounded_node():
+    # 6 -> 8 -> ReLU -> 8 -> ReLU -> 3: 2·(6·8 + 8·8 + 8·3) FLOPs a point, the two 8-wide pre-activations bounded
+    assert bound_pass_flops(random_mlp(0, (6, 8, 8, 3))) == 2 * (6 * 8 + 8 * 8 + 8 * 3) * 8
+
+
+def test_auto_keeps_small_nets_on_the_cpu_and_sends_large_conv_nets_to_cuda(four_gpus):
+    small, large = random_mlp(0, (784, 256, 256, 10)), resnet(seed=0)
+    assert bound_pass_flops(small) < AUTO_CUDA_FLOPS <= bound_pass_flops(large)
+    assert resolve_device("auto", 2, graph=small) == torch.device("cpu")
+    assert resolve_device("auto", 2, graph=large) == torch.device("cuda:2")
+    assert resolve_device("cuda", 2, graph=small) == torch.device("cuda:2")  # asked for by name: cuda it is
+
+
+def test_auto_runs_a_small_net_on_the_cpu_where_cuda_is_available(files, monkeypatch):  # noqa: F811
+    """With GPUs there (as far as the verifier can tell), ``auto`` still verifies a tiny net on the CPU: placing it
+    on the (absent) GPU would fail."""
+    expected = verify_files(*files, VerifyConfig(timeout=30, device="cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    placed = verify_files(*files, VerifyConfig(timeout=30, device="auto"))
+    assert not placed.reason and (placed.verdict, placed.root_margins) == (expected.verdict, expected.root_margins)
 
 
 def test_the_rank_comes_from_local_rank(four_gpus, monkeypatch):

@@ -69,14 +69,14 @@ def _points(graph: BoundGraph, domains: DomainBatch, layer: Tensor, neuron: Tens
     """The split point of each chosen ``(layer, neuron)`` of domain ``owner`` (all ``[M]``)."""
     bounds = domains.bounds()
     point = torch.zeros(layer.shape, dtype=graph.dtype, device=layer.device)
+    # Every node's points read for every choice, kept where the choice is at that node: no host sync to find which
+    # choices are where (one per node and round on a GPU).
     for index, name in enumerate(graph.split_nodes):
-        chosen = (layer == index).nonzero().flatten()
-        if not chosen.numel():
-            continue
+        here = layer == index
         consumer, input_index = graph.splitter[name]
         inputs = graph.consumer_inputs(consumer, bounds)
         points = flat(consumer.op.split_point(inputs, input_index), 1)  # [N, size]
-        point[chosen] = points[owner[chosen], neuron[chosen]].to(point.dtype)
+        point = torch.where(here, points[owner, torch.where(here, neuron, 0)].to(point.dtype), point)
     return point
 
 

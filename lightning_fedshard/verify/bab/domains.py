@@ -145,22 +145,22 @@ class DomainBatch:
         the neuron at least the point (``z ≥ p``; a ReLU active), rows ``N..2N-1`` at most (``z ≤ p``)."""
         children = self.repeat(2)
         n = len(self)
-        rows = torch.arange(n, device=self.device)
+        above = torch.arange(n, device=self.device)
+        below = above + n
+        # Every domain's row is written at every node, its own value kept where the split is elsewhere: no host sync
+        # to find which domains split which node (one per node and round on a GPU), for O(N) more writes per node.
         for index, name in enumerate(split_nodes):
-            chosen = (layer == index).nonzero().flatten()
-            if not chosen.numel():
-                continue
-            which, at = neuron[chosen], point[chosen].to(self.lower[name].dtype)
+            here = layer == index
+            which, at = torch.where(here, neuron, 0), point.to(self.lower[name].dtype)
             lower, upper, splits, points = (
                 flat(t[name], 1) for t in (children.lower, children.upper, children.splits, children.points)
             )
-            above, below = rows[chosen], rows[chosen] + n
-            lower[above, which] = torch.maximum(lower[above, which], at)
-            upper[below, which] = torch.minimum(upper[below, which], at)
-            splits[above, which] = 1
-            splits[below, which] = -1
-            points[above, which] = at
-            points[below, which] = at
+            lower[above, which] = torch.where(here, torch.maximum(lower[above, which], at), lower[above, which])
+            upper[below, which] = torch.where(here, torch.minimum(upper[below, which], at), upper[below, which])
+            splits[above, which] = torch.where(here, 1, splits[above, which])
+            splits[below, which] = torch.where(here, -1, splits[below, which])
+            points[above, which] = torch.where(here, at, points[above, which])
+            points[below, which] = torch.where(here, at, points[below, which])
         children.depth = children.depth + 1
         return children
 

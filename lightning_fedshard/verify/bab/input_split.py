@@ -54,6 +54,7 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample, free_coordinates
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least
+from lightning_fedshard.verify.syncs import note_round
 
 __all__ = ["RootBounds", "input_split"]
 
@@ -108,6 +109,9 @@ class _Boxes:
         return self.lower.shape[0]
 
     def take(self, index: Tensor) -> _Boxes:
+        """The boxes at ``index`` (positions, or a boolean mask: turned into positions once, one host sync on a GPU
+        rather than one per field)."""
+        index = index.nonzero().flatten() if index.dtype == torch.bool else index
         return _Boxes(self.lower[index], self.upper[index], self.depth[index])
 
     def interval(self, shape: tuple[int, ...]) -> Interval:
@@ -331,6 +335,7 @@ def input_split(
                 search.observe(_pace(from_root, started), len(boxes))
             max_depth = max(max_depth, int(boxes.depth.max()))
             search.rounds += 1
+            note_round()
             if cex is None and config.attack_every and search.rounds % config.attack_every == 0:
                 worst = spec.value(margins).argsort()[:_ATTACK_BOXES]
                 worst_boxes = boxes.take(worst).interval(shape)
@@ -384,10 +389,9 @@ def _try_phases(
 ) -> Tensor | None:
     """The open boxes with few unstable ReLUs tried piece by piece; the proven ones are marked closed in ``open_``
     (the others go on to be split). Returns a counterexample if a piece's minimising corner is one."""
-    few = open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE)
-    if not few.any():
+    index = (open_ & (unstable_count(graph, bounds) <= PIECES_MAX_UNSTABLE)).nonzero().flatten()
+    if not index.numel():
         return None
-    index = few.nonzero().flatten()
     chosen = {name: Interval(b.lower[index], b.upper[index]) for name, b in bounds.items()}
     proven, cex = prove_by_pieces(
         graph, spec, boxes.take(index).interval(graph.input.shape), chosen, out.lower[:, index]
@@ -414,11 +418,13 @@ def _branch(
         return None
     A, c = _planes(out, boxes)
     boxes, margins, A, c = boxes.take(open_), margins[open_], A[:, open_], c[:, open_]
+    # Boolean masks become indices once: each mask used as an index is a nonzero, and a host sync on a GPU.
     boxes, keep = _clip(boxes, A, c, spec.exact[1] + spec.row_slack)
+    keep = keep.nonzero().flatten()
     boxes, margins, A = boxes.take(keep), margins[keep], A[:, keep]
     wide = (boxes.upper - boxes.lower).double() > min_width
-    splittable = wide.any(1)
-    search.stuck = search.stuck or not bool(splittable.all())
+    splittable = wide.any(1).nonzero().flatten()
+    search.stuck = search.stuck or len(splittable) < len(boxes)
     boxes, margins, A, wide = boxes.take(splittable), margins[splittable], A[:, splittable], wide[splittable]
     if not len(boxes):
         return None

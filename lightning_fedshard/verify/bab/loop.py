@@ -36,6 +36,7 @@ from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.objective import OutputSpec, first_counterexample
 from lightning_fedshard.verify.ops import Interval
 from lightning_fedshard.verify.shard.lockstep import collective_device, lockstep
+from lightning_fedshard.verify.syncs import note_round
 
 __all__ = ["BabOutcome", "branch_and_bound"]
 
@@ -199,6 +200,7 @@ def branch_and_bound(
             )
             max_depth, stuck = max(max_depth, depth), stuck or round_stuck
         rounds += 1
+        note_round()
         if parallel is not None:
             cex = parallel.first_counterexample(cex)
         if cex is not None:
@@ -256,8 +258,9 @@ def _round(
     children = children.take(open_)
     kept = {name: A[:, open_] for name, A in result.kept.items()}
     splittable = choose_branches(graph, box, spec, children, kept, config.branching_candidates)
-    if not bool(splittable.all()):
+    chosen = splittable.nonzero().flatten()  # its length says whether all are: one host sync, not two
+    if len(chosen) < len(splittable):
         unsplittable = children.take((~splittable).nonzero().flatten())
         stuck = stuck or not _settle(graph, spec, box, unsplittable, config)
-    pool.push(children.take(splittable.nonzero().flatten()))
+    pool.push(children.take(chosen))
     return None, n, depth, stuck

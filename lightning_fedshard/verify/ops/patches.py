@@ -54,6 +54,10 @@ class Patches:
     stride: tuple[int, int]
     padding: tuple[int, int]
     node_shape: tuple[int, int, int]
+    #: What the rows' positions alone decide (their distinct positions, each row's among them, the extremes), read
+    #: from the host once for a pass's rows instead of at every step of it (each read waits for a GPU): shared by
+    #: the coefficients made from these with the same positions.
+    layout: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def identity(cls, index: Tensor, batch: int, shape: tuple[int, ...], dtype: torch.dtype) -> Patches:
@@ -74,7 +78,7 @@ class Patches:
         by default this one's), and the zero padding ``(before, after)`` of the image that puts every window inside
         it."""
         positions = self.positions if positions is None else positions
-        lowest, highest = (p.tolist() for p in positions.aminmax(dim=0))  # one read of the extremes, not four
+        lowest, highest = self._layout()["extremes"]  # the distinct positions have the rows' extremes
         spans = []
         for d in range(2):
             size, k = self.node_shape[1 + d], self.values.shape[3 + d]
@@ -96,9 +100,8 @@ class Patches:
         window of every distinct position of the rows: ``[U, B', C, kH, kW]`` (contiguous), and the window of each
         row ``[S]`` (index into the first dimension). Rows of one neuron's ``±e_i`` and of the channels of one pixel
         share a window, so this is far smaller than one window per row."""
-        columns = int(self.positions[:, 1].max()) + 1  # one key per position: a 1-D unique is 50x faster than dim=0
-        keys, of_row = torch.unique(self.positions[:, 0] * columns + self.positions[:, 1], return_inverse=True)
-        positions = torch.stack([keys // columns, keys % columns], 1)
+        layout = self._layout()
+        positions, of_row = layout["distinct"], layout["of_row"]
         (rows, top, bottom), (cols, left, right) = self._spans(positions)
         value = value.expand(value.shape[0], *self.node_shape)
         padded = F.pad(value, (left, right, top, bottom))
@@ -107,6 +110,18 @@ class Patches:
         windows = padded.reshape(-1, padded.shape[-2] * width)[:, pixels]  # [B'·C, U·kH·kW]
         windows = windows.view(value.shape[0], value.shape[1], positions.shape[0], *self.values.shape[3:])
         return windows.permute(2, 0, 1, 3, 4).contiguous(), of_row
+
+    def _layout(self) -> dict:
+        """:attr:`layout`, computed on the first call for these positions."""
+        if self.layout.get("positions") is not self.positions:
+            positions = self.positions
+            columns = int(positions[:, 1].max()) + 1  # one key per position: a 1-D unique is 50x faster than dim=0
+            keys, of_row = torch.unique(positions[:, 0] * columns + positions[:, 1], return_inverse=True)
+            extremes = tuple(p.tolist() for p in positions.aminmax(dim=0))  # one read of the extremes, not four
+            distinct = torch.stack([keys // columns, keys % columns], 1)
+            self.layout.clear()
+            self.layout.update(positions=positions, distinct=distinct, of_row=of_row, extremes=extremes)
+        return self.layout
 
     def _row_chunks(self, bytes_per_element: int) -> list[slice]:
         """Chunks of the rows for element-wise work (:func:`~lightning_fedshard.verify.ops.chunks.row_chunks`)."""
@@ -189,7 +204,8 @@ class Patches:
         of a residual block meeting at its fork) are padded to the one window that covers both."""
         if isinstance(other, Tensor):
             return self.to_dense() + other
-        if self.stride != other.stride or not torch.equal(self.positions, other.positions):
+        same_rows = self.positions is other.positions or torch.equal(self.positions, other.positions)
+        if self.stride != other.stride or not same_rows:
             return self.to_dense() + other.to_dense()
         padding = (max(self.padding[0], other.padding[0]), max(self.padding[1], other.padding[1]))
         size = tuple(max(padding[d] - p.padding[d] + p.values.shape[3 + d] for p in (self, other)) for d in range(2))
@@ -239,6 +255,7 @@ class Patches:
             (self.stride[0] * stride[0], self.stride[1] * stride[1]),
             (self.padding[0] * stride[0] + pads[0], self.padding[1] * stride[1] + pads[1]),
             tuple(in_shape),
+            self.layout,
         )._zero_outside()
         if windows.shape[2] * windows.shape[3] >= DENSE_FILL * in_shape[1] * in_shape[2]:
             return composed.to_dense()

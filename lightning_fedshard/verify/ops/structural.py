@@ -49,7 +49,10 @@ class Select(LinearOp):
         if bool(((index < -1) | (index >= size)).any()):
             raise ValueError(f"{label}: an index outside the input's {size} elements")
         self.index = index
-        kept = index[index >= 0]
+        #: The output positions that copy an input element, and those elements (fixed: found once here, not at
+        #: every transpose, where a boolean mask would be a host sync per pass on a GPU).
+        self.copying = (index >= 0).nonzero().flatten()
+        kept = self.sources = index[self.copying]
         #: The most outputs that copy one input element (Expand, Tile, Resize): the transpose sums that many.
         self.copies = int(torch.bincount(kept).max()) if kept.numel() else 1
         padded = index < 0
@@ -68,9 +71,8 @@ class Select(LinearOp):
     def transpose(self, A: Tensor) -> Tensor:
         S, B = A.shape[:2]
         columns = flat(A, 2)  # also with no rows (a rank's empty share of a row partition)
-        keep = self.index >= 0
         A_in = columns.new_zeros(S, B, int(torch.Size(self.in_shape).numel()))
-        A_in.index_add_(2, self.index[keep], columns[:, :, keep])
+        A_in.index_add_(2, self.sources, columns[:, :, self.copying])
         return A_in.reshape(S, B, *self.in_shape)
 
     def terms(self) -> tuple[int, int]:
