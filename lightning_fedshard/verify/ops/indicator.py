@@ -1,5 +1,5 @@
 """Indicators: the 0/1 values of a strict comparison (``[x > 0]``) and of an equality (ONNX Equal), the pieces
-ArgMax, OneHot and Equal become (:mod:`~lightning_fedshard.verify.onnx_discrete`).
+ArgMax, OneHot and Equal become (:mod:`~lightning_fedshard.verify.onnx.discrete`).
 
 Both are step functions: their interval bounds are exact, and linear bounds across a jump are either flat or
 pass through the jump's corners. Two facts make them settle under branch-and-bound where a plain step would not

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import torch
 
-from lightning_fedshard.verify.onnx_loader import LoadContext, UnsupportedModelError
+from lightning_fedshard.verify.onnx.loader import LoadContext, UnsupportedModelError
 from lightning_fedshard.verify.ops import (
     ClassMargins,
     ElementwiseAffine,
@@ -129,7 +129,7 @@ def _one_hot(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
 
 
 def _equal(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
-    from lightning_fedshard.verify.onnx_converters import _common_rank, _expanded
+    from lightning_fedshard.verify.onnx.converters import _common_rank, _expanded
 
     out, (a, b) = node.output[0], node.input
     if ctx.is_constant(a):  # Equal is symmetric: the computed operand first

@@ -17,7 +17,7 @@ Accepted (on tensors computed from the input; anything on constants alone is fol
   ReduceMax/ReduceMin, Mul and Div of two computed tensors (``x·x`` is the square; ``x / y = x · (1/y)``), MatMul
   of two computed tensors (products and a sum).
 
-* discrete: ArgMax, ArgMin, OneHot of either, Equal (:mod:`~lightning_fedshard.verify.onnx_discrete`: class indicators
+* discrete: ArgMax, ArgMin, OneHot of either, Equal (:mod:`~lightning_fedshard.verify.onnx.discrete`: class indicators
   bounded from the logit margins, as counting heads use them).
 
 Other discrete ops on the input's path (comparisons, booleans, ...) are refused with the reason (the instance
@@ -34,8 +34,8 @@ import onnx
 import torch
 import torch.nn.functional as F
 
-from lightning_fedshard.verify.onnx_discrete import DISCRETE_CONVERTERS
-from lightning_fedshard.verify.onnx_loader import (
+from lightning_fedshard.verify.onnx.discrete import DISCRETE_CONVERTERS
+from lightning_fedshard.verify.onnx.loader import (
     FLOAT_TYPES,
     LoadContext,
     NeedsUnbatched,

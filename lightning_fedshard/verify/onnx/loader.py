@@ -2,7 +2,7 @@
 
 Every node whose inputs are all constants (Constant, and the Shape→Gather→Unsqueeze→Concat chains exporters emit
 for ``x.view(x.size(0), -1)``, constant masks) is folded with ONNX's reference evaluator; every other node becomes
-one or a few graph nodes (:mod:`~lightning_fedshard.verify.onnx_converters` lists the operators). The leading ONNX
+one or a few graph nodes (:mod:`~lightning_fedshard.verify.onnx.converters` lists the operators). The leading ONNX
 dimension (1, or symbolic) of every tensor becomes the batch dimension ``B`` of the graph — unless the network
 moves or mixes it (a Transpose of ``[1, n]``, an input without one): then the graph is loaded again *without* a
 batch dimension, node shapes are the full ONNX shapes and the graph's own batch dimension is added in front.
@@ -379,7 +379,7 @@ def _input_dims(model: onnx.ModelProto) -> list:
 
 
 def _convert(model: onnx.ModelProto, dtype: torch.dtype, batched: bool) -> LoadContext:
-    from lightning_fedshard.verify.onnx_converters import CONVERTERS, DISCRETE
+    from lightning_fedshard.verify.onnx.converters import CONVERTERS, DISCRETE
 
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)

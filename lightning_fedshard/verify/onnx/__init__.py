@@ -1,0 +1,1 @@
+"""Reading ONNX models into :class:`~lightning_fedshard.verify.graph.BoundGraph`s."""
