@@ -17,7 +17,7 @@ from lightning_fedshard.verify.config import Method, Verdict, VerifyConfig
 from lightning_fedshard.verify.graph import BoundGraph, Node
 from lightning_fedshard.verify.instances import Instance, read_instances, run_instance, run_instances
 from lightning_fedshard.verify.memory import PeakMemoryMeter
-from lightning_fedshard.verify.onnx.loader import OnnxLoadError, load_onnx
+from lightning_fedshard.verify.onnx import OnnxLoadError, load_onnx
 from lightning_fedshard.verify.phases import CasePhases
 from lightning_fedshard.verify.result import RankReport, VerificationResult
 from lightning_fedshard.verify.shard.plan import ShardPlan, Strategy, TensorParallelMode

@@ -27,7 +27,7 @@ from lightning_fedshard.verify.instances import (
     summarise,
     write_results,
 )
-from lightning_fedshard.verify.onnx.loader import UnsupportedModelError
+from lightning_fedshard.verify.onnx import UnsupportedModelError
 from lightning_fedshard.verify.result import VerificationResult
 from lightning_fedshard.verify.shard.plan import Strategy, TensorParallelMode
 from lightning_fedshard.verify.spec import UnsupportedPropertyError, write_result

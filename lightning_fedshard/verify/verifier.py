@@ -31,7 +31,7 @@ from lightning_fedshard.verify.floats import FLOAT64_EPSILON, round_down
 from lightning_fedshard.verify.graph import BoundGraph
 from lightning_fedshard.verify.memory import PeakMemoryMeter, tensor_bytes
 from lightning_fedshard.verify.objective import OutputSpec, box_tensor, free_coordinates
-from lightning_fedshard.verify.onnx.loader import UnsupportedModelError, load_onnx, onnx_source
+from lightning_fedshard.verify.onnx import UnsupportedModelError, load_onnx, onnx_source
 from lightning_fedshard.verify.ops import Interval, flat
 from lightning_fedshard.verify.result import VerificationResult
 from lightning_fedshard.verify.shard.lockstep import DeadlineExceeded, agree_least, lockstep
@@ -422,7 +422,7 @@ def verify_files(
     A ``sat`` counterexample is replayed on the ONNX model (:func:`model_forward`) and checked against the
     property as the VNN-COMP scorer does; one that fails (which would be a bug) turns the answer into
     ``unknown``, the reason kept in ``counterexample_check``. A model the verifier cannot represent
-    (:class:`~lightning_fedshard.verify.onnx.loader.UnsupportedModelError`), a property whose output constraints
+    (:class:`~lightning_fedshard.verify.onnx.UnsupportedModelError`), a property whose output constraints
     multiply out too far (:class:`~lightning_fedshard.verify.spec.UnsupportedPropertyError`), and in a
     one-process run any error while bounding, answer ``unknown`` with the ``reason``; the deadline passing while
     the property is expanded answers ``timeout``. Files that cannot be read at all raise.
@@ -486,7 +486,7 @@ def prepare_files(onnx_path: str | Path, vnnlib_path: str | Path, device: str = 
     the first input box runs on our graph and on the model that replays counterexamples, so that the timed run
     finds the libraries, the files and the device warm. Nothing is bounded. Returns a one-line summary.
 
-    Raises :class:`~lightning_fedshard.verify.onnx.loader.UnsupportedModelError` or
+    Raises :class:`~lightning_fedshard.verify.onnx.UnsupportedModelError` or
     :class:`~lightning_fedshard.verify.spec.UnsupportedPropertyError` for an instance the verifier would answer
     ``unknown`` at once, and ``OSError``/``ValueError`` for files that cannot be read.
 

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from lightning_fedshard.verify.graph import BoundGraph
-from lightning_fedshard.verify.onnx.loader import load_onnx, onnx_source
+from lightning_fedshard.verify.onnx import load_onnx, onnx_source
 from lightning_fedshard.verify.ops import LinearOp
 
 __all__ = [

@@ -14,7 +14,7 @@ from lightning_fedshard.bench.counting import SHAPE, export_counting_net, write_
 from lightning_fedshard.verify import Verdict, VerifyConfig, load_onnx, verify_files
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
-from lightning_fedshard.verify.onnx.loader import UnsupportedModelError
+from lightning_fedshard.verify.onnx import UnsupportedModelError
 from lightning_fedshard.verify.ops import Equal, Interval, Positive
 from tests.verify.onnx_models import hand_built, reference_outputs
 

@@ -13,7 +13,7 @@ from lightning_fedshard.verify import VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.crown import backward_bound
 from lightning_fedshard.verify.device import AUTO_CUDA_FLOPS, bound_pass_flops, resolve_device
 from lightning_fedshard.verify.objective import box_tensor
-from lightning_fedshard.verify.onnx.loader import load_onnx
+from lightning_fedshard.verify.onnx import load_onnx
 from tests.verify.nets import random_mlp, resnet
 from tests.verify.test_verify_cli import files, run_cli  # noqa: F401 (fixture)
 

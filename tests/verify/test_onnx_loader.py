@@ -14,7 +14,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from lightning_fedshard.verify.onnx.loader import OnnxLoadError, UnsupportedModelError, load_onnx
+from lightning_fedshard.verify.onnx import OnnxLoadError, UnsupportedModelError, load_onnx
 from lightning_fedshard.verify.ops import Add, AvgPool2d, BatchNorm, Conv2d, Linear, ReLU, Reshape
 from tests.verify.onnx_models import (
     check_adjoint,

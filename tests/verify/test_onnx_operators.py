@@ -24,7 +24,7 @@ from lightning_fedshard.verify import BoundGraph, Verdict, VerifyConfig, verify_
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
 from lightning_fedshard.verify.bounds.forward import forward_bounds
-from lightning_fedshard.verify.onnx.loader import load_onnx
+from lightning_fedshard.verify.onnx import load_onnx
 from lightning_fedshard.verify.ops import (
     Ceil,
     Clip,

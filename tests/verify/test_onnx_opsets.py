@@ -28,7 +28,7 @@ from lightning_fedshard.bench.planted import write_robustness_vnnlib
 from lightning_fedshard.bench.vit import TinyViT, export_at
 from lightning_fedshard.verify import Verdict, VerifyConfig, verify_files
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
-from lightning_fedshard.verify.onnx.loader import load_onnx
+from lightning_fedshard.verify.onnx import load_onnx
 from lightning_fedshard.verify.ops import Interval
 from tests.verify.onnx_models import reference_outputs, weights
 from tests.verify.test_onnx_operators import CONSTANTS, HIDDEN, OPERATORS, POSITIVE, STRUCTURAL, _node

@@ -14,7 +14,7 @@ import torch
 from lightning_fedshard.verify.bounds.alpha import alpha_crown
 from lightning_fedshard.verify.bounds.crown import backward_bound, intermediate_bounds
 from lightning_fedshard.verify.config import VerifyConfig
-from lightning_fedshard.verify.onnx.loader import load_onnx
+from lightning_fedshard.verify.onnx import load_onnx
 from lightning_fedshard.verify.ops import Interval, Linear
 from lightning_fedshard.verify.spec import read_vnnlib
 

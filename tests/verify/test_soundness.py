@@ -287,7 +287,7 @@ def _matmul_of_two(seed):
 
 def _pools(seed):
     # conv → relu → max over overlapping 3×3 windows (stride 2, padded) → conv → relu → max over channels → fc.
-    from lightning_fedshard.verify.onnx.converters import _pool_windows
+    from lightning_fedshard.verify.onnx.reductions import _pool_windows
 
     b = _Builder(seed, (2, 6, 6))
     b.conv("conv1", 3, (3, 3), pads=(1, 1, 1, 1))

@@ -23,13 +23,13 @@ Example::
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 import onnx
 import torch
 
-from lightning_fedshard.verify.onnx.loader import LoadContext, UnsupportedModelError
+from lightning_fedshard.verify.onnx.common import Converter, common_rank, expanded
+from lightning_fedshard.verify.onnx.context import LoadContext, UnsupportedModelError
 from lightning_fedshard.verify.ops import (
     ClassMargins,
     ElementwiseAffine,
@@ -44,9 +44,6 @@ from lightning_fedshard.verify.ops import (
 )
 
 __all__ = ["DISCRETE_CONVERTERS", "integer_valued"]
-
-#: Per load, the one-hot node of each ArgMax's index node (by node name): what a OneHot of that index copies.
-_ONE_HOT: weakref.WeakKeyDictionary[LoadContext, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 def _smallest_subnormal(dtype: torch.dtype) -> float:
@@ -95,12 +92,12 @@ def _argmax(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
     else:
         del out_shape[axis]
     ctx.reshape(index, ctx.node_shape(out_shape), name=out)
-    _ONE_HOT.setdefault(ctx, {})[ctx.variable(out).name] = onehot
+    ctx.one_hots[ctx.variable(out).name] = onehot
 
 
 def _one_hot(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
     out, (indices, depth_name, values_name) = node.output[0], node.input
-    onehot = _ONE_HOT.get(ctx, {}).get(ctx.variable(indices).name)
+    onehot = ctx.one_hots.get(ctx.variable(indices).name)
     if onehot is None:
         raise UnsupportedModelError(
             f"OneHot at {out!r} of an index that no ArgMax computed: only one-hot codes of an ArgMax are bounded"
@@ -129,8 +126,6 @@ def _one_hot(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
 
 
 def _equal(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
-    from lightning_fedshard.verify.onnx.converters import _common_rank, _expanded
-
     out, (a, b) = node.output[0], node.input
     if ctx.is_constant(a):  # Equal is symmetric: the computed operand first
         a, b = b, a
@@ -143,8 +138,8 @@ def _equal(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
         integer = bool((constant == torch.round(constant)).all())
         ctx.emit(out, Equal((integer_valued(ctx, a), integer), constant), a)
         return
-    a, b, shape = _common_rank(ctx, a, b)
-    a, b = _expanded(ctx, a, shape), _expanded(ctx, b, shape)
+    a, b, shape = common_rank(ctx, a, b)
+    a, b = expanded(ctx, a, shape), expanded(ctx, b, shape)
     ctx.emit(out, Equal((integer_valued(ctx, a), integer_valued(ctx, b))), a, b)
 
 
@@ -173,4 +168,4 @@ def integer_valued(ctx: LoadContext, name: str) -> bool:
     return False
 
 
-DISCRETE_CONVERTERS = {"ArgMax": _argmax, "ArgMin": _argmax, "OneHot": _one_hot, "Equal": _equal}
+DISCRETE_CONVERTERS: dict[str, Converter] = {"ArgMax": _argmax, "ArgMin": _argmax, "OneHot": _one_hot, "Equal": _equal}

@@ -9,7 +9,7 @@ if the maximum is ``x_k`` with ``k ∈ T`` the plane is at least ``x_k − l_k +
 outside ``T`` is at most ``max l``.
 
 Non-overlapping 2-D pools are loaded as pairwise maxima ``max(a, b) = ReLU(a − b) + b`` instead
-(:mod:`~lightning_fedshard.verify.onnx.loader`), whose ReLUs get intermediate bounds, α and splits.
+(:mod:`~lightning_fedshard.verify.onnx.reductions`), whose ReLUs get intermediate bounds, α and splits.
 """
 
 from __future__ import annotations
