@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import ast
 import math
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ from lightning_fedshard.dynamiq.dynamiq_format import (
     scale_table,
     split_message,
 )
+from tests.import_cycles import import_cycle
 
 
 def inputs(numel: int) -> dict[str, torch.Tensor]:
@@ -289,38 +288,6 @@ def test_five_bits_on_real_gradients_beat_mxfp8_through_an_eight_rank_ring(llama
 
 
 def test_the_dynamiq_modules_import_each_other_without_a_cycle() -> None:
-    """Every import counts, lazy ones inside functions too; only ``if TYPE_CHECKING:`` blocks do not. The torch
-    codec and the Triton kernels once imported each other (the kernels at load time, the codec lazily)."""
-    package = Path(lightning_fedshard.dynamiq.__file__).parent
-    modules = {
-        f"lightning_fedshard.{'.'.join(p.relative_to(package.parent).with_suffix('').parts)}": p
-        for p in package.rglob("*.py")
-        if p.name != "__init__.py"
-    }
-    graph = {name: _imported_modules(ast.parse(path.read_text()), modules) - {name} for name, path in modules.items()}
-    done: set[str] = set()
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, f"import cycle: {' -> '.join((*path[path.index(name) :], name))}"
-        if name not in done:
-            for target in graph[name]:
-                visit(target, (*path, name))
-            done.add(name)
-
-    for name in graph:
-        visit(name, ())
-
-
-def _imported_modules(tree: ast.Module, modules: dict[str, Path]) -> set[str]:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            node.body = []
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {
-                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
-            }
-    return found & set(modules)
+    """The torch codec and the Triton kernels once imported each other (the kernels at load time, the codec
+    lazily)."""
+    assert import_cycle(lightning_fedshard.dynamiq) is None

@@ -14,8 +14,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+import lightning_fedshard.verify
 from lightning_fedshard.verify.onnx import OnnxLoadError, UnsupportedModelError, load_onnx
 from lightning_fedshard.verify.ops import Add, AvgPool2d, BatchNorm, Conv2d, Linear, ReLU, Reshape
+from tests.import_cycles import import_cycle
 from tests.verify.onnx_models import (
     check_adjoint,
     check_against_onnxruntime,
@@ -380,3 +382,9 @@ def test_a_non_finite_weight_is_rejected_at_load_time(weight, message, tmp_path:
     assert not isinstance(error.value, UnsupportedModelError)
     if np.isfinite(weight).all():  # the check is on the constants as cast: a float64 graph holds this one
         assert float(load_onnx(path, dtype=torch.float64).output.op.weight.max()) == 1e300
+
+
+def test_the_verify_modules_import_each_other_without_a_cycle() -> None:
+    """The ONNX loader and its converters once imported each other (the converters at load time, the loader and
+    the discrete converters lazily, inside functions)."""
+    assert import_cycle(lightning_fedshard.verify) is None
