@@ -418,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val-every", type=int, default=4, help="optimizer steps; a multiple of --sync-every")
     parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences)")
     parser.add_argument("--val-samples", type=int, default=128, help="the same validation sequences for every run")
+    parser.add_argument("--skip", nargs="+", default=[], help="configurations left out, e.g. W64-F2-nesterov")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-quality"))
     parser.add_argument("--analyse", action="store_true", help="tables and plot from the runs under --out only")
@@ -434,7 +435,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.val_every % args.sync_every or args.steps % args.val_every:
             parser.error("--val-every must be a multiple of --sync-every and divide --steps")
         settings = {k: getattr(args, k) for k in ("steps", "sync_every", "val_every", "batch", "val_samples")}
-        specs = grid(args.worlds, args.seeds, args.outers, args.processes, args.wide)
+        specs = [
+            s
+            for s in grid(args.worlds, args.seeds, args.outers, args.processes, args.wide)
+            if s.config not in args.skip
+        ]
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "settings.json").write_text(json.dumps(settings))
         runs = train(specs, settings, args.out, args.timeout)
