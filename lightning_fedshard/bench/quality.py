@@ -44,6 +44,7 @@ __all__ = [
     "RunSpec",
     "at_step",
     "at_tokens",
+    "break_even_speedup",
     "equal_time_steps",
     "format_tables",
     "grid",
@@ -275,6 +276,21 @@ def equal_time_steps(steps: int, fl_seconds: float, base_seconds: float) -> tupl
     return budget / fl_seconds, budget / base_seconds
 
 
+def break_even_speedup(fl: QualityRun, base: QualityRun, steps: int) -> float:
+    """The speed-up over the baseline at which FL's loss after ``steps`` steps is reached in the same wall time:
+    ``steps / x`` where the baseline's curve first comes down to that loss after ``x`` steps; 1 when the
+    baseline never gets there within ``steps`` (FL ahead already at equal steps), NaN when FL's loss lies above
+    the baseline's whole measured curve."""
+    target = at_step(fl, steps)
+    points = [(p["step"], p["val_loss"]) for p in base.curve if p["step"] <= steps]
+    if at_step(base, steps) >= target:
+        return 1.0
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if y0 >= target >= y1:
+            return steps / (x0 + (x1 - x0) * (y0 - target) / (y0 - y1))
+    return math.nan
+
+
 def _stats(values: list[float]) -> tuple[float, float]:
     values = [v for v in values if not math.isnan(v)]
     if not values:
@@ -315,9 +331,11 @@ def format_tables(runs: list[QualityRun], steps: int, sync_every: int) -> str:
         "Equal wall time: the faster layout's time for all steps, where the slower one is behind (cost",
         f"model, Llama 3.1 8B on 512 A100s, sync every {sync_every}; speed-up = counterpart step / FL step).",
         "",
+        "Break-even: the speed-up over hsdp at which FL's loss after all steps comes in the same wall time.",
+        "",
         "| W | layout | outer | ppl @ equal steps = equal tokens | ×hsdp | fl_hsdp speed-up | ×hsdp @ equal time"
-        " | fl_fsdp speed-up | ×fsdp2 @ equal time |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | fl_fsdp speed-up | ×fsdp2 @ equal time | break-even speed-up |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, group in configs.items():
         spec = group[0].spec
@@ -325,7 +343,7 @@ def format_tables(runs: list[QualityRun], steps: int, sync_every: int) -> str:
         cells = [str(spec.world), f"F={spec.groups}" + ("" if spec.processes in (4, spec.world) else f" ({spec.processes} proc)"),
                  OUTERS.get(spec.outer or "", "—"), _ppl(final)]  # fmt: skip
         if spec.groups == 1:
-            cells += ["1", "", "", "", ""]
+            cells += ["1", "", "", "", "", ""]
         else:
             cells.append(_ppl(_paired(group, base, lambda r, b: math.exp(at_step(r, steps) - at_step(b, steps)))))
             for layout in PAIRS:
@@ -333,6 +351,7 @@ def format_tables(runs: list[QualityRun], steps: int, sync_every: int) -> str:
                 fl_steps, base_steps = equal_time_steps(steps, fl_s, counter_s)
                 ratio = _paired(group, base, lambda r, b: math.exp(at_step(r, fl_steps) - at_step(b, base_steps)))
                 cells += [f"{counter_s / fl_s:.2f}×", _ppl(ratio)]
+            cells.append(_ppl(_paired(group, base, lambda r, b: break_even_speedup(r, b, steps))) + "×")
         lines.append("| " + " | ".join(cells) + " |")
 
     worlds = sorted({r.spec.world for r in runs})

@@ -15,6 +15,7 @@ from lightning_fedshard.bench.quality import (
     RunSpec,
     at_step,
     at_tokens,
+    break_even_speedup,
     equal_time_steps,
     format_tables,
     grid,
@@ -74,6 +75,13 @@ def test_wall_time_comes_from_the_cost_model_at_512_gpus():
     # the faster layout finishes its 32 steps; the slower one is at 32 × (fast / slow) steps then
     assert equal_time_steps(32, fl_seconds=1.0, base_seconds=2.0) == (32, 16)
     assert equal_time_steps(32, fl_seconds=2.0, base_seconds=1.0) == (16, 32)
+
+
+def test_break_even_speedup_inverts_the_baseline_curve():
+    base = _run(16, 1, None, 0, [4.0, 3.0, 2.0, 1.0])  # steps 4..16, loss 5 - step/4
+    assert break_even_speedup(_run(16, 2, "avg", 0, [4.0, 3.0, 2.0, 1.5]), base, 16) == pytest.approx(16 / 14)
+    assert break_even_speedup(_run(16, 2, "avg", 0, [4.0, 3.0, 2.0, 0.9]), base, 16) == 1.0  # ahead at equal steps
+    assert math.isnan(break_even_speedup(_run(16, 2, "avg", 0, [5.0, 5.0, 5.0, 4.5]), base, 16))
 
 
 def test_the_table_reports_paired_ratios_and_equal_time_values():
