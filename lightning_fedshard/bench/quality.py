@@ -414,7 +414,8 @@ def plot(runs: list[QualityRun], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.set_ylim(top=top * 1.05)
     axes[0].set_ylabel("validation perplexity")
-    axes[0].legend(fontsize=7)
+    for ax in axes[:-1]:
+        ax.legend(fontsize=6)
     for column, world in enumerate(worlds):
         axes[-1].plot([], [], color=f"C{column}", label=f"W={world}")
     axes[-1].legend(fontsize=7)
