@@ -26,6 +26,7 @@ BENCHMARKS = {
     "planted": "lightning_fedshard.bench.planted",
     "vit": "lightning_fedshard.bench.vit",
     "counting": "lightning_fedshard.bench.counting",
+    "quality": "lightning_fedshard.bench.quality",
     "vnncomp-scripts": "lightning_fedshard.bench.vnncomp_scripts",
 }
 
