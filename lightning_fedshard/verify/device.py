@@ -88,8 +88,9 @@ def resolve_device(name: str, local_rank: int | None = None, graph: BoundGraph |
     if not isinstance(name, str):
         raise ValueError(f"a device is named by a string (cpu, cuda, cuda:N or auto), got {name!r}")
     if name == "auto":
-        big = graph is None or bound_pass_flops(graph) >= AUTO_CUDA_FLOPS
-        name = "cuda" if torch.cuda.is_available() and big else "cpu"
+        # the FLOPs are counted only where there is a GPU to choose (a forward pass under FlopCounterMode)
+        big = torch.cuda.is_available() and (graph is None or bound_pass_flops(graph) >= AUTO_CUDA_FLOPS)
+        name = "cuda" if big else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
