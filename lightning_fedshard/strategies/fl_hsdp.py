@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fedshard.compat import _PATH, _optimizers_to_device
-from lightning_fedshard.distributed import JobEnd, check_timeout, destroy_process_group_at_exit
+from lightning_fedshard.distributed import JobEndHooks, check_timeout, destroy_process_group_at_exit
 from lightning_fedshard.dynamiq.fsdp import DynamiQReduceScatter, install_dynamiq_reduce_scatter
 from lightning_fedshard.dynamiq.plugin import DynamiQ
 from lightning_fedshard.dynamiq.settings import Compression
@@ -73,7 +73,7 @@ from lightning_fedshard.strategies.streaming import SYNC_SCHEDULES, FragmentSche
 __all__ = ["FLHSDPStrategy"]
 
 
-class FLHSDPStrategy(ModelParallelStrategy):
+class FLHSDPStrategy(JobEndHooks, ModelParallelStrategy):
     """Federated learning over HSDP groups on one ``("fed", "replicate", "shard")`` device mesh.
 
     The world is split into ``num_groups`` federation groups of contiguous ranks. Each group trains its
@@ -233,7 +233,6 @@ class FLHSDPStrategy(ModelParallelStrategy):
         self.optimizer_steps = 0
         self.syncs = 0
         self._steps_at_last_sync = 0
-        self.job_end = JobEnd()
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -316,7 +315,6 @@ class FLHSDPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self.job_end.record()
         self._dims = self._resolve_dims()
         self._device_mesh = self._dims.build_mesh(self.root_device.type, self._timeout)
         self._group_pg = self._build_group_process_group()
@@ -359,7 +357,7 @@ class FLHSDPStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
-        self.job_end.setup(trainer)
+        self.job_end.setup(trainer)  # Lightning's setup, which JobEndHooks extends, is replaced here
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
@@ -786,11 +784,6 @@ class FLHSDPStrategy(ModelParallelStrategy):
             )
 
     # ---- shutdown -----------------------------------------------------------------------------------
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self.job_end.on_exception(exception)
 
     @override
     def teardown(self) -> None:
