@@ -325,11 +325,29 @@ class FLHSDPStrategy(FederatedRounds, JobEndHooks, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None and self.accelerator is not None
         self.job_end.setup(trainer)  # Lightning's setup, which JobEndHooks extends, is replaced here
         self.accelerator.setup(trainer)
+        self._shard_model()
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_initial_state(self.model, self.device_mesh)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.ledger = CommLedger()  # a later validate/test keeps the fit's counts readable
+        self._count_and_compress_shard_traffic()
+        self.barrier()
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._build_rounds()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_model(self) -> None:
+        """Shards the model with FSDP2 (unless its ``configure_model`` or an earlier fit did) and materialises it."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found FSDP1 modules.")
         if is_sharded(self.model):
@@ -352,23 +370,12 @@ class FLHSDPStrategy(FederatedRounds, JobEndHooks, ModelParallelStrategy):
             )
         check_fully_sharded(self.model)
         materialize(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        broadcast_initial_state(self.model, self.device_mesh)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.ledger = CommLedger()  # a later validate/test keeps the fit's counts readable
+
+    def _count_and_compress_shard_traffic(self) -> None:
         install_fsdp_counters(self.model, self.ledger, self.dims.replicate_size)
         if (compression := self._compression("gradients")) is not None:
             comm = DynamiQReduceScatter(compression, self.precision_plugin.stats, self._count_shard_bytes)
             install_dynamiq_reduce_scatter(self.model, comm)
-        self.barrier()
-
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            self._build_rounds()
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard_placement_fn(self) -> Callable[[nn.Parameter], Shard] | None:
         if self.shard_block is None:
