@@ -45,7 +45,10 @@ __all__ = [
     "_StorageInfo",
     "_StrategyRegistry",
     "_optimizers_to_device",
+    "_set_sampler_epoch",
     "checkpoint",
+    "epoch_loop_ready_batches_reached",
+    "fit_loop_training_data",
     "layout_pickle_global",
     "require_extra",
     "tree_leaves",
@@ -132,12 +135,28 @@ _check_init_sets(
 _check_init_sets(LightningModule, "_device_mesh", "_trainer")
 # DynamiQDDPStrategy registers its compressed all-reduce in place of Lightning's hooks.
 _check_methods(DDPStrategy, "_register_ddp_hooks", base=Strategy)
-_check_init_sets(DDPStrategy, "_ddp_comm_hook", "_ddp_comm_wrapper", "_timeout", "_process_group_backend")
-# JobEnd replaces the SIGTERM handler and the epoch loop's SIGTERM broadcast.
+_check_init_sets(
+    DDPStrategy, "_ddp_comm_hook", "_ddp_comm_state", "_ddp_comm_wrapper", "_timeout", "_process_group_backend"
+)
+# JobEnd (JobEndHooks) replaces the SIGTERM handler and the epoch loop's SIGTERM broadcast.
 _check_init_sets(Trainer, "_signal_connector")
 _check_methods(
     _private("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector"), "_sigterm_notifier_fn"
 )
-_check_methods(
-    _private("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"), "_broadcast_sigterm_tensor"
-)
+_TrainingEpochLoop = _private("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop")
+_check_methods(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+# A federation group that heals from a peer (fault_tolerance.load_trainer_progress) restarts the training data at
+# the peer's position and completes the peer's step as the epoch loop would.
+_set_sampler_epoch = _private("lightning.fabric.utilities.data", "_set_sampler_epoch")
+_check_init_sets(_private("lightning.pytorch.loops.fit_loop", "_FitLoop"), "_combined_loader", "_data_fetcher")
+_check_methods(_TrainingEpochLoop, "_num_ready_batches_reached")
+
+
+def fit_loop_training_data(fit_loop: Any) -> tuple[Any, Any]:
+    """The fit loop's combined training loader and its data fetcher (either None before they are set up)."""
+    return fit_loop._combined_loader, fit_loop._data_fetcher
+
+
+def epoch_loop_ready_batches_reached(epoch_loop: Any) -> bool:
+    """Whether the training epoch loop has read its epoch's last batch (epoch-interval schedulers step then)."""
+    return epoch_loop._num_ready_batches_reached()

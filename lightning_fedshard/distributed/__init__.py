@@ -2,13 +2,14 @@
 ranks that end together after a failure, and a clean gloo shutdown."""
 
 from lightning_fedshard.distributed.gloo_exit import destroy_process_group_at_exit
-from lightning_fedshard.distributed.job_end import SIGTERM_EXIT_CODE, JobEnd
+from lightning_fedshard.distributed.job_end import SIGTERM_EXIT_CODE, JobEnd, JobEndHooks
 from lightning_fedshard.distributed.model_parallel import TimedModelParallelStrategy
 from lightning_fedshard.distributed.timeouts import check_timeout, init_device_mesh_with_timeout
 
 __all__ = [
     "SIGTERM_EXIT_CODE",
     "JobEnd",
+    "JobEndHooks",
     "TimedModelParallelStrategy",
     "check_timeout",
     "destroy_process_group_at_exit",

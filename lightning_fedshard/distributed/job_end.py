@@ -15,6 +15,7 @@ import logging
 import signal
 import subprocess
 import sys
+from functools import cached_property
 from types import FrameType
 
 import lightning.pytorch as pl
@@ -27,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from lightning_fedshard.distributed import processes
 from lightning_fedshard.distributed.processes import RunProcess
 
-__all__ = ["END_GRACE_S", "SIGTERM_EXIT_CODE", "JobEnd"]
+__all__ = ["END_GRACE_S", "SIGTERM_EXIT_CODE", "JobEnd", "JobEndHooks"]
 
 # the logger of Lightning's own handler, so that the message reads and shows as it did
 log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
@@ -43,21 +44,13 @@ class JobEnd:
 
     A strategy calls :meth:`record` on every rank once the default process group exists, :meth:`setup` from its
     ``setup``, and :meth:`on_exception` from its ``on_exception`` hook; ``failed`` then says whether the run failed.
+    :class:`JobEndHooks` makes these calls for a Lightning strategy.
 
     Example::
 
-        class MyStrategy(DDPStrategy):
-            def setup_environment(self):
-                super().setup_environment()
-                self.job_end.record()
-
-            def setup(self, trainer):
-                super().setup(trainer)
-                self.job_end.setup(trainer)
-
-            def on_exception(self, exception):
-                super().on_exception(exception)
-                self.job_end.on_exception(exception)
+        job_end = JobEnd()
+        job_end.record()  # on every rank, after init_process_group
+        job_end.on_exception(error)  # a failed rank: its peers on this machine end with it at exit
     """
 
     def __init__(self, grace_s: float = END_GRACE_S) -> None:
@@ -124,6 +117,43 @@ class JobEnd:
         if not self.failed:
             self.failed = True
             atexit.register(_leave_watcher, self.peers, self.grace_s)
+
+
+class JobEndHooks:
+    """Mixin for a Lightning strategy whose ranks end together after a failure and exit 143 after a SIGTERM stop:
+    it calls its :class:`JobEnd` (``self.job_end``) once the default process group exists, from ``setup`` and from
+    ``on_exception``.
+
+    A strategy that replaces Lightning's ``setup`` without calling ``super().setup`` calls
+    ``self.job_end.setup(trainer)`` from its own.
+
+    Example::
+
+        class MyStrategy(JobEndHooks, DDPStrategy):
+            pass
+    """
+
+    @cached_property
+    def job_end(self) -> JobEnd:
+        return JobEnd()
+
+    # The default process group is set up by ``DDPStrategy.setup_distributed`` and
+    # ``ModelParallelStrategy._setup_distributed``; the peers are learnt right after, before any other collective.
+    def setup_distributed(self) -> None:
+        super().setup_distributed()  # type: ignore[misc]
+        self.job_end.record()
+
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()  # type: ignore[misc]
+        self.job_end.record()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.job_end.setup(trainer)
+        super().setup(trainer)  # type: ignore[misc]
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        self.job_end.on_exception(exception)
 
 
 def _leave_watcher(peers: tuple[RunProcess, ...], grace_s: float) -> None:

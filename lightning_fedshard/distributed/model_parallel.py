@@ -5,18 +5,17 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Literal
 
-import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from typing_extensions import override
 
-from lightning_fedshard.distributed.job_end import JobEnd
+from lightning_fedshard.distributed.job_end import JobEndHooks
 from lightning_fedshard.distributed.timeouts import check_timeout, init_device_mesh_with_timeout
 
 __all__ = ["TimedModelParallelStrategy"]
 
 
-class TimedModelParallelStrategy(ModelParallelStrategy):
+class TimedModelParallelStrategy(JobEndHooks, ModelParallelStrategy):
     """``ModelParallelStrategy`` whose ``("data_parallel", "tensor_parallel")`` mesh groups wait at most
     ``timeout`` in a collective, like its default group (Lightning's leave them at torch's 30 minutes), and whose
     ranks end together when one fails (:class:`~lightning_fedshard.distributed.JobEnd`).
@@ -43,14 +42,12 @@ class TimedModelParallelStrategy(ModelParallelStrategy):
             process_group_backend,
             check_timeout(timeout, type(self).__name__),
         )
-        self.job_end = JobEnd()
 
     @override
     def setup_environment(self) -> None:
         # ModelParallelStrategy.setup_environment, with the mesh built with the timeout
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self.job_end.record()
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes
         if self._tensor_parallel_size == "auto":
@@ -68,13 +65,3 @@ class TimedModelParallelStrategy(ModelParallelStrategy):
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self.job_end.setup(trainer)
-        super().setup(trainer)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self.job_end.on_exception(exception)

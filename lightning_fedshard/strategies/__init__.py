@@ -5,6 +5,7 @@ from lightning_fedshard.strategies.dims import FedShardDims
 from lightning_fedshard.strategies.fault_tolerance import FaultTolerance
 from lightning_fedshard.strategies.fl_fsdp import FLFSDPStrategy
 from lightning_fedshard.strategies.fl_hsdp import FLHSDPStrategy
+from lightning_fedshard.strategies.fl_options import FLOptions
 from lightning_fedshard.strategies.ledger import CommLedger
 from lightning_fedshard.strategies.registry import STRATEGY_NAMES, register_strategies
 from lightning_fedshard.strategies.streaming import FragmentSchedule, StreamingSync, partition_fragments
@@ -15,6 +16,7 @@ __all__ = [
     "DynamiQDDPStrategy",
     "FLFSDPStrategy",
     "FLHSDPStrategy",
+    "FLOptions",
     "FaultTolerance",
     "FedShardDims",
     "FragmentSchedule",

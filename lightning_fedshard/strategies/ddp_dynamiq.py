@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fedshard.distributed import JobEnd, check_timeout
+from lightning_fedshard.distributed import JobEndHooks, check_timeout
 from lightning_fedshard.dynamiq.collective import DEFAULT_MIN_NUMEL
 from lightning_fedshard.dynamiq.ddp_hook import DynamiQHookState, dynamiq_hook
 from lightning_fedshard.dynamiq.settings import Compression
@@ -20,7 +20,7 @@ from lightning_fedshard.dynamiq.settings import Compression
 __all__ = ["DynamiQDDPStrategy"]
 
 
-class DynamiQDDPStrategy(DDPStrategy):
+class DynamiQDDPStrategy(JobEndHooks, DDPStrategy):
     """DDP with the DynamiQ comm hook; ``strategy="ddp_dynamiq"`` is this class with its defaults.
 
     Lightning's ``DDPStrategy`` registers comm hooks only on CUDA; this strategy registers them on every
@@ -53,27 +53,11 @@ class DynamiQDDPStrategy(DDPStrategy):
         if "timeout" in kwargs:
             kwargs["timeout"] = check_timeout(kwargs["timeout"], type(self).__name__)
         self.hook_state: DynamiQHookState | None = None
-        self.job_end = JobEnd()
         if kwargs.get("ddp_comm_hook") is None:
             compression = Compression(codec=codec, bits=bits, topology=topology, min_numel=min_numel, debug=debug)
             self.hook_state = DynamiQHookState(compression)
             kwargs.update(ddp_comm_state=self.hook_state, ddp_comm_hook=dynamiq_hook)
         super().__init__(**kwargs)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.job_end.record()
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self.job_end.setup(trainer)
-        super().setup(trainer)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self.job_end.on_exception(exception)
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -27,7 +27,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_fedshard.compat import require_extra
+from lightning_fedshard.compat import (
+    _set_sampler_epoch,
+    epoch_loop_ready_batches_reached,
+    fit_loop_training_data,
+    require_extra,
+)
 from lightning_fedshard.distributed.timeouts import check_timeout
 from lightning_fedshard.dynamiq.codec import Codec
 from lightning_fedshard.dynamiq.settings import Compression
@@ -486,7 +491,7 @@ def load_trainer_progress(trainer: Any, state: dict[str, Any], joining: bool) ->
         step.increment_completed()
         epoch_loop.batch_progress.increment_processed()
         epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
-        if epoch_loop._num_ready_batches_reached():
+        if epoch_loop_ready_batches_reached(epoch_loop):
             epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
     fit_loop.reset()  # restarting from here, as from a checkpoint saved there (load_state_dict marked it)
     batches = epoch_loop.batch_progress.current
@@ -506,13 +511,12 @@ def _start_data_at(trainer: Any, epoch: int, batches: int) -> None:
     """Restarts the training data at ``epoch``, skipping its first ``batches`` batches by sampler index (nothing
     is loaded for them). A loader without a batch sampler (an iterable dataset) starts its stream afresh: its
     position is the dataset's own, which is said."""
-    from lightning.fabric.utilities.data import _set_sampler_epoch
     from torch.utils.data import BatchSampler, DataLoader
 
-    fit_loop = trainer.fit_loop
-    if fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
+    combined_loader, data_fetcher = fit_loop_training_data(trainer.fit_loop)
+    if combined_loader is None or data_fetcher is None:
         return  # no training data (limit_train_batches=0)
-    for loader in fit_loop._combined_loader.flattened:
+    for loader in combined_loader.flattened:
         _set_sampler_epoch(loader, epoch)
         batch_sampler = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
         if isinstance(batch_sampler, BatchSampler):
@@ -525,7 +529,7 @@ def _start_data_at(trainer: Any, epoch: int, batches: int) -> None:
                 epoch,
                 type(loader).__name__,
             )
-    iter(fit_loop._data_fetcher)  # a fresh iterator: the epoch's order, from the position
+    iter(data_fetcher)  # a fresh iterator: the epoch's order, from the position
 
 
 class _SkipOnce:

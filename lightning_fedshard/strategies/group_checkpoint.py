@@ -28,12 +28,14 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.tensor import DTensor
@@ -44,13 +46,17 @@ __all__ = [
     "FEDSHARD_KEY",
     "FILES_KEY",
     "META_FILENAME",
+    "agree",
+    "check_layout",
     "describe_group_share",
     "finish_save",
     "group_dir",
     "load_group_state",
     "load_meta",
+    "save_federated",
     "save_group_state",
     "staging_dir",
+    "verify_federated",
     "verify_group_files",
 ]
 
@@ -93,6 +99,110 @@ _PATH_CLASSES = {
 }
 
 _HASH_CHUNK = 1 << 20
+
+
+# ---- every rank of the world together: a whole checkpoint ---------------------------------------------
+
+
+def save_federated(
+    target: str, token: str, state: dict[str, Any], meta: dict[str, Any], group_index: int, group: ProcessGroup | None
+) -> None:
+    """Saves on every rank: each federation group's ``state`` into a staging folder beside ``target`` (``token``
+    names it, the same on every rank), verified; global rank 0 then writes the manifest ``meta`` and renames the
+    folder into place, so an interrupted save leaves any earlier checkpoint of that name intact. ``group`` spans
+    this rank's federation group. Raises on every rank if the save failed on any."""
+    path = Path(target)
+    staging = staging_dir(path, token)
+    files, failure = _attempt(_save_group_share, staging, group_index, state, group)
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (files, _message(failure)))
+    errors = [error for _, error in shares if error]
+    if dist.get_rank() == 0 and not errors:
+        every_file = {name: entry for group_files, _ in shares for name, entry in group_files.items()}
+        _, failure = _attempt(finish_save, staging, path, meta, every_file)
+        errors = [_message(failure)] if failure else []
+    errors = _from_rank_zero(errors)
+    if errors:
+        raise RuntimeError(
+            f"Saving the checkpoint {target!r} failed, so it was not written (an earlier checkpoint of that name is"
+            f" kept): {' | '.join(dict.fromkeys(errors))}"
+        ) from failure
+
+
+def _save_group_share(
+    staging: Path, group_index: int, state: dict[str, Any], group: ProcessGroup | None
+) -> dict[str, list[int | str]]:
+    save_group_state(staging, group_index, state, group)
+    return describe_group_share(staging, group_index, *_group_share(group))
+
+
+def check_layout(path: Path, saved: dict[str, Any], mesh: dict[str, int], outer_optimizer: str) -> None:
+    """The checkpoint's manifest entry ``saved`` has this run's mesh sizes and outer optimizer."""
+    found = {key: saved.get(key) for key in mesh}
+    if found != mesh:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} was saved with mesh {found} but this run uses {mesh}."
+            " Each federation group restores its own state, so the layout must match."
+        )
+    if saved.get("outer_optimizer") != outer_optimizer:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} was saved with outer_optimizer={saved.get('outer_optimizer')!r},"
+            f" this run uses {outer_optimizer!r}."
+        )
+
+
+def verify_federated(path: Path, saved: dict[str, Any], group_index: int, group: ProcessGroup | None) -> None:
+    """Checks every rank's share of its group's files against the manifest entry ``saved`` (on every rank)."""
+    if FILES_KEY in saved:
+        agree(verify_group_files, path, group_index, saved[FILES_KEY], *_group_share(group))
+    else:
+        rank_zero_warn(
+            f"The checkpoint {str(path)!r} has no file checksums (it was saved by an earlier lightning_fedshard):"
+            " its files are checked for presence, length and finite values only."
+        )
+
+
+def agree(check: Callable[..., None], *args: Any) -> None:
+    """Runs ``check`` on every rank and raises on every rank if it failed on any: a rank that raised alone
+    would leave the others waiting in the next collective."""
+    _, failure = _attempt(check, *args)
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, _message(failure))
+    ranks_by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(messages):
+        if message:
+            ranks_by_message.setdefault(message, []).append(rank)
+    if ranks_by_message:
+        raise ValueError(
+            "\n".join(f"[rank {', '.join(map(str, ranks))}] {message}" for message, ranks in ranks_by_message.items())
+        ) from failure
+
+
+def _group_share(group: ProcessGroup | None) -> tuple[int, int]:
+    """This rank's position in its federation group and the group's size: which files it hashes."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _from_rank_zero(obj: Any) -> Any:
+    objects = [obj]
+    dist.broadcast_object_list(objects, src=0)
+    return objects[0]
+
+
+def _attempt(action: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    try:
+        return action(*args), None
+    except Exception as err:  # noqa: BLE001  (every rank learns of it and raises, see agree)
+        return None, err
+
+
+def _message(error: Exception | None) -> str | None:
+    if error is None:
+        return None
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+
+
+# ---- one federation group's folder ---------------------------------------------------------------------
 
 
 def group_dir(path: Path, group_index: int) -> Path:

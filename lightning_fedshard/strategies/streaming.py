@@ -32,12 +32,17 @@ SYNC_SCHEDULES = ("blocking", "streaming")
 
 @dataclass(frozen=True)
 class FragmentSchedule:
-    """When each fragment's average is sent and when it is applied, by optimizer step (counted from 1).
+    """When the groups sync, by optimizer step (counted from 1): the one place ``sync_every`` is kept.
+
+    Under streaming sync each fragment's average is sent ``delay`` steps before it is due and applied when due.
+    Blocking sync is the schedule of one fragment, the whole model, sent and applied at the same step while
+    training waits: it is due every ``sync_every`` steps.
 
     Example::
 
         schedule = FragmentSchedule.create(sync_every=8, fragments=4, delay=1, alpha=0.5, owner="FLFSDPStrategy")
         schedule.starting(1), schedule.finishing(2)  # (0, 0): fragment 0 is sent after step 1, applied after step 2
+        FragmentSchedule.blocking(8).due(16)  # True: the whole model is averaged after step 16
     """
 
     sync_every: int
@@ -46,10 +51,34 @@ class FragmentSchedule:
     """τ: optimizer steps between sending a fragment's average and applying it."""
     alpha: float
     """Weight of the local shards when the average is applied (0: adopt the global copy)."""
+    streaming: bool = True
+    """Whether the fragments' averages overlap training (else the whole model is averaged while training waits)."""
+
+    @classmethod
+    def blocking(cls, sync_every: int) -> FragmentSchedule:
+        return cls(sync_every, fragments=1, delay=0, alpha=0.0, streaming=False)
+
+    @classmethod
+    def choose(
+        cls, sync_schedule: str, *, sync_every: int, fragments: int, delay: int, alpha: float, owner: str
+    ) -> FragmentSchedule:
+        """The ``sync_schedule`` (one of :data:`SYNC_SCHEDULES`) with its settings, checked; blocking sync takes no
+        fragment settings."""
+        if sync_schedule not in SYNC_SCHEDULES:
+            raise ValueError(f"{owner}: unknown `sync_schedule={sync_schedule!r}`; choose one of {SYNC_SCHEDULES}.")
+        if sync_schedule == "streaming":
+            return cls.create(sync_every=sync_every, fragments=fragments, delay=delay, alpha=alpha, owner=owner)
+        if (fragments, delay, alpha) != (1, 0, 0):
+            raise ValueError(
+                f"{owner}: `fragments`, `fragment_sync_delay` and `fragment_update_alpha` apply to"
+                f" sync_schedule='streaming'; got fragments={fragments!r}, fragment_sync_delay={delay!r},"
+                f" fragment_update_alpha={alpha!r} with sync_schedule='blocking'."
+            )
+        return cls.blocking(sync_every)
 
     @classmethod
     def create(cls, *, sync_every: int, fragments: int, delay: int, alpha: float, owner: str) -> FragmentSchedule:
-        """Validates the settings by torchft's rules and names the one that is wrong."""
+        """A streaming schedule: validates the settings by torchft's rules and names the one that is wrong."""
         if not _is_int(fragments) or fragments < 1:
             raise ValueError(f"{owner}: `fragments` must be an integer ≥ 1, got {fragments!r}.")
         if sync_every % fragments:
@@ -66,6 +95,10 @@ class FragmentSchedule:
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
             raise ValueError(f"{owner}: `fragment_update_alpha` must be a number in [0, 1], got {alpha!r}.")
         return cls(sync_every, fragments, delay, float(alpha))
+
+    def due(self, step: int) -> bool:
+        """Whether anything is sent or applied after optimizer step ``step``."""
+        return self.starting(step) is not None or self.finishing(step) is not None
 
     @property
     def interval(self) -> int:
@@ -184,10 +217,6 @@ class StreamingSync:
         self.fragments_voted_down = 0
         self._agreed_at: dict[int, int] = {}
         """Fragments whose local shards equal their global copy, by the step at which they were applied."""
-
-    def due(self, step: int) -> bool:
-        """Whether anything is sent or applied after optimizer step ``step``."""
-        return self.schedule.starting(step) is not None or self.schedule.finishing(step) is not None
 
     def step(self, step: int) -> int | None:
         """Sends and applies what is due after optimizer step ``step``; returns the fragment applied, if any."""

@@ -46,6 +46,6 @@ def test_compile_keeps_the_blocks_types_and_parameter_names():
 
 def test_the_strategy_resolves_compile_classes_by_import_path():
     strategy = FLFSDPStrategy(num_groups=1, compile=["lightning_fedshard.models.TransformerBlock"])
-    assert strategy._compile == (TransformerBlock,)
+    assert strategy.options.compile == (TransformerBlock,)
     with pytest.raises(TypeError, match="list of module classes"):
         FLFSDPStrategy(num_groups=1, compile="lightning_fedshard.models.TransformerBlock")

@@ -116,7 +116,7 @@ def test_timeout_must_be_a_positive_duration(strategy):
 def test_sync_dtype_must_be_one_the_average_runs_in(dtype):
     with pytest.raises(ValueError, match=r"is not a dtype the average can run in; use one of 'float16', 'bfloat16'"):
         FLHSDPStrategy(sync_dtype=dtype)
-    assert FLHSDPStrategy(sync_dtype=torch.bfloat16)._sync_dtype is torch.bfloat16
+    assert FLHSDPStrategy(sync_dtype=torch.bfloat16).options.sync_dtype is torch.bfloat16
 
 
 def test_booleans_are_not_sizes_or_step_counts():

@@ -84,7 +84,7 @@ def test_a_job_is_one_group():
         FLFSDPStrategy(fault_tolerance={"lighthouse": "http://h:1"})
     # streaming sync runs each fragment's average as a torchft round of its own (docs/fault_tolerance.md)
     streaming = FLFSDPStrategy(sync_every=4, sync_schedule="streaming", fragments=2, fault_tolerance=FaultTolerance())
-    assert streaming.fault_tolerance is not None and streaming._schedule.fragments == 2
+    assert streaming.fault_tolerance is not None and streaming.options.schedule.fragments == 2
     # one group over the job's world: the layout that elsewhere needs two groups fits two devices
     assert FLFSDPStrategy(fault_tolerance=FaultTolerance()).layout(1, 2).num_groups == 1
 

@@ -130,8 +130,8 @@ def recording(strategy_cls: type, cfg: dict) -> type:
             self.records.append({"step": self.optimizer_steps, "pre": pre, "post": full_params(self.model)})
 
         def stream_sync(self) -> None:
-            step, schedule = self.optimizer_steps, self._schedule
-            if self._streaming is None or not self._streaming.due(step):
+            step, schedule = self.optimizer_steps, self.options.schedule
+            if self._streaming is None:
                 return super().stream_sync()
             pre = full_params(self.model)
             super().stream_sync()
