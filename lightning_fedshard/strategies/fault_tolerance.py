@@ -296,9 +296,10 @@ class FederationMember:
         self.last_participants = 0
         self.rounds_log: deque[dict[str, Any]] = deque(maxlen=ROUNDS_LOGGED)
         """The last rounds of this rank, one record each, wall-clock (``time.time()``) times: ``quorum_start``,
-        ``quorum_end``, ``end`` (applied or not), ``participants`` and ``transfers`` (the checkpoint sends and receives during the quorum: ``role``, ``start``,
-        ``end``); with :attr:`track_memory` also ``rss_kb`` before the quorum and ``peak_kb``, the peak resident
-        memory during the round. ``fedshard bench faults`` splits a heal into its phases with them."""
+        ``quorum_end``, ``end`` (applied or not), ``participants`` and ``transfers`` (the checkpoint sends and
+        receives during the quorum: ``role``, ``start``, ``end``); with :attr:`track_memory` also ``rss_kb`` before the quorum and the peak resident memory during
+        the quorum (``quorum_peak_kb``, where a heal is received) and during the whole round (``peak_kb``).
+        ``fedshard bench faults`` splits a heal into its phases with them."""
         self.track_memory = False
 
     def run_round(self, average: Callable[[], T], apply: Callable[[T], None]) -> bool:
@@ -336,6 +337,8 @@ class FederationMember:
         self.rounds_log[-1].update(
             quorum_end=time.time(), participants=self.last_participants, transfers=list(self.transfers.events)
         )
+        if self.track_memory:
+            self.rounds_log[-1]["quorum_peak_kb"] = _proc_status_kb("VmHWM")
         if self.transfers.torn:
             raise RuntimeError(
                 f"federation group {self.config.group_id}: healing from a peer broke off after part of its state had"
