@@ -21,11 +21,13 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -70,6 +72,20 @@ class FaultProbe(pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:  # callbacks run before the strategy's joining round
         self._write(trainer, "joining")
+        member = getattr(trainer.strategy, "_member", None)
+        if member is not None:
+            member.track_memory = True  # peak resident memory of every round, the joining one included
+            self._write_rank(trainer, {"event": "state", "bytes": member.state_bytes()})
+
+    def _write_rank(self, trainer: pl.Trainer, record: dict) -> None:
+        """Every rank's own records (``group<g>.rank<r>.jsonl``): its state size and its rounds."""
+        with self.path.with_suffix(f".rank{trainer.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps({**record, "t": time.time(), "pid": os.getpid()}) + "\n")
+
+    def _write_rounds(self, trainer: pl.Trainer) -> None:
+        member = getattr(trainer.strategy, "_member", None)
+        while member is not None and member.rounds_log and "end" in member.rounds_log[0]:
+            self._write_rank(trainer, {"event": "round", **member.rounds_log.popleft()})
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 0:
@@ -89,6 +105,7 @@ class FaultProbe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._write(trainer, "step", tokens=float(batch[0].numel() * trainer.world_size))
+        self._write_rounds(trainer)
         if trainer.strategy.optimizer_steps >= self.stop_at:
             trainer.should_stop = True
 
@@ -116,11 +133,11 @@ class FaultRun:
 class Federation:
     """A Lighthouse and one ``fedshard fit`` job per group, each in a session of its own."""
 
-    def __init__(self, out: Path, steps: int, overrides: list[str]) -> None:
+    def __init__(self, out: Path, steps: int, overrides: list[str], heal_transport: str = "stream") -> None:
         require_extra("torchft", "ft", "The fault-tolerance benchmark")
         from torchft.coordination import LighthouseServer
 
-        self.out, self.steps, self.overrides = out, steps, overrides
+        self.out, self.steps, self.overrides, self.heal_transport = out, steps, overrides, heal_transport
         out.mkdir(parents=True, exist_ok=True)
         self.lighthouse = LighthouseServer(
             bind="[::]:0",
@@ -134,8 +151,8 @@ class Federation:
     def probe(self, group: int) -> Path:
         return self.out / f"group{group}.jsonl"
 
-    def records(self, group: int, event: str | None = None) -> list[dict]:
-        path = self.probe(group)
+    def records(self, group: int, event: str | None = None, rank: int | None = None) -> list[dict]:
+        path = self.probe(group) if rank is None else self.probe(group).with_suffix(f".rank{rank}.jsonl")
         lines = path.read_text().splitlines() if path.exists() else []
         records = [json.loads(line) for line in lines if line.strip()]
         return [r for r in records if event is None or r["event"] == event]
@@ -156,7 +173,8 @@ class Federation:
             "--trainer.devices=2",
             "--trainer.strategy.init_args.num_groups=null",
             "--trainer.strategy.init_args.outer_optimizer=nesterov",
-            '--trainer.strategy.init_args.fault_tolerance={"timeout": "0:00:30", "quorum_timeout": "0:15:00"}',
+            "--trainer.strategy.init_args.fault_tolerance="
+            + json.dumps({"timeout": "0:00:30", "quorum_timeout": "0:15:00", "heal_transport": self.heal_transport}),
             f"--trainer.max_steps={self.steps}",  # the job's own steps: a restarted job is stopped by the probe
             "--trainer.callbacks+=lightning_fedshard.bench.faults.FaultProbe",
             f"--trainer.logger.init_args.save_dir={self.out / f'group{group}_launch{launch}'}",
@@ -227,8 +245,21 @@ def _rate(steps: list[dict]) -> float:
     return sum(r["tokens"] for r in steps[1:]) / (steps[-1]["t"] - steps[0]["t"])
 
 
-def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, overrides: list[str]) -> FaultRun:
-    federation = Federation(out / name, steps, overrides)
+@dataclass
+class Timeline:
+    """The bench's own wall-clock times of one run (NaN without a fault)."""
+
+    kill: float = math.nan
+    dead: float = math.nan
+    """Group 1's failed job has exited: from here it can be restarted."""
+    restart: float = math.nan
+    pid: int = 0
+    """Group 1's restarted job."""
+
+
+def _play(federation: Federation, steps: int, kill_at: int | None, down_s: float) -> Timeline:
+    """Runs the federation to its end, killing one rank of group 1 at ``kill_at`` and restarting the group."""
+    timeline = Timeline()
     try:
         if kill_at is not None:
             (federation.out / "hold").touch()  # group 0 may not finish before group 1 is back
@@ -239,20 +270,21 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
         federation.start(1)
         federation.wait_for(lambda: federation.records(1, "joining"), "group 1 starts")
         (federation.out / "hold_start").unlink()
-        restart_t = kill_t = math.nan
         if kill_at is not None:
             federation.wait_for(
                 lambda: any(r["steps"] >= kill_at for r in federation.records(1, "step")), "group 1 reaches the kill"
             )
             victim = _rank1_pid(federation, federation.jobs[1][-1])
             federation.expect_failure = True
-            kill_t = time.time()
+            timeline.kill = time.time()
             os.kill(victim, signal.SIGKILL)
             federation.jobs[1][-1].wait(timeout=WAIT_S)
-            time.sleep(max(0.0, down_s - (time.time() - kill_t)))
+            timeline.dead = time.time()
+            time.sleep(max(0.0, down_s - (time.time() - timeline.kill)))
             federation.expect_failure = False
-            restart_t = time.time()
+            timeline.restart = time.time()
             job = federation.start(1)
+            timeline.pid = job.pid
             federation.wait_for(
                 lambda: any(r["pid"] == job.pid for r in federation.records(1, "joining")), "group 1 restarts"
             )
@@ -269,6 +301,14 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
         federation.finish()
     finally:
         federation.close()
+    (federation.out / "timeline.json").write_text(json.dumps(asdict(timeline)))
+    return timeline
+
+
+def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, overrides: list[str]) -> FaultRun:
+    federation = Federation(out / name, steps, overrides)
+    timeline = _play(federation, steps, kill_at, down_s)
+    kill_t, restart_t = timeline.kill, timeline.restart
     g0_steps = federation.records(0, "step")
     val = federation.records(0, "val")
     together = [r for r in g0_steps if r["groups"] == 2 and not r["t"] >= kill_t]
@@ -288,6 +328,164 @@ def run(name: str, out: Path, steps: int, kill_at: int | None, down_s: float, ov
         rounds_alone=sum(r["groups"] == 1 for r in alone),
         val_loss=val[-1]["val_loss"] if val else math.nan,
     )
+
+
+# ---- heal time against state size (--state-mb) -----------------------------------------------------------------
+
+#: Bytes per parameter a heal moves: the fp32 parameter, DiLoCo's fp32 global copy and its fp32 outer momentum.
+HEAL_BYTES_PER_PARAM = 12
+HEAL_STEPS, HEAL_KILL_AT, HEAL_SYNC_EVERY = 24, 4, 4
+
+
+def llama_overrides(state_mb: float) -> dict[str, int]:
+    """A Llama 3 shape (byte vocabulary, 64-wide heads, GQA with 4 or 2 queries per key, SwiGLU 3.5 × dim, about
+    dim / 128 layers) whose
+    state a heal moves, :data:`HEAL_BYTES_PER_PARAM` bytes per parameter, is closest to ``state_mb`` MiB."""
+    from lightning_fedshard.models.config import LlamaConfig
+
+    tiny = LlamaConfig.from_name("llama3.1-tiny")
+    best: tuple[float, dict[str, int]] | None = None
+    for dim in range(128, 4097, 128):
+        heads = dim // 64
+        shape = {
+            "dim": dim,
+            "n_heads": heads,
+            "n_kv_heads": heads // 4 if heads % 4 == 0 else heads // 2,
+            "ffn_dim": round(3.5 * dim / 64) * 64,
+        }
+        for layers in range(max(2, dim // 128 - 2), dim // 128 + 3):  # Llama 3's depth: about dim / 128 layers
+            params = _llama_params(tiny.vocab_size, layers=layers, **shape)
+            error = abs(math.log(params * HEAL_BYTES_PER_PARAM / (state_mb * 2**20)))
+            if best is None or error < best[0]:
+                best = (error, {**shape, "n_layers": layers})
+    assert best is not None
+    return best[1]
+
+
+def _llama_params(vocab: int, dim: int, layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int) -> int:
+    kv = dim // n_heads * n_kv_heads
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn_dim + 2 * dim  # q, o; k, v; SwiGLU; two norms
+    return layers * block + 2 * vocab * dim + dim  # embedding, output, final norm
+
+
+def _link_worker(rank: int, port: int, nbytes: int, repeats: int, result: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tensor = torch.ones(nbytes, dtype=torch.uint8)
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        (dist.send if rank == 0 else dist.recv)(tensor, 1 - rank)
+        seconds.append(time.perf_counter() - start)
+    if rank == 1:
+        result.put(sorted(seconds)[len(seconds) // 2])
+    dist.destroy_process_group()
+
+
+def link_bytes_per_s(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """The link between two processes of this machine: one gloo send/recv of ``nbytes``, the median of ``repeats``."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    result = context.SimpleQueue()
+    mp.start_processes(_link_worker, args=(port, nbytes, repeats, result), nprocs=2, start_method="spawn")
+    return nbytes / result.get()
+
+
+@dataclass
+class HealRun:
+    state_mb: float
+    """Requested state per group, MiB."""
+    transport: str
+    shape: str
+    state_bytes: int
+    """What the heal moved: group 1's ranks' shards of the parameters and outer state, summed."""
+    detection_s: float
+    """The kill until group 1's failed job has exited (its launcher saw the rank die and ended the others)."""
+    restart_s: float
+    """The restart until the new job's first quorum request (interpreters, model, Manager)."""
+    quorum_s: float
+    """Until the quorum that heals it is granted and the transfer starts (group 0 reaching its next round)."""
+    transfer_s: float
+    """The first rank's receive starting until the last rank's has finished."""
+    resume_s: float
+    """The end of the transfer until the healed group's first step has ended."""
+    total_s: float
+    """The kill until the healed group's first step has ended."""
+    recv_extra_mb: float
+    """Peak resident memory during the quorum that heals group 1 above the memory before it, worst rank, MiB."""
+    send_extra_mb: float
+    """The same for group 0's ranks in the round they sent in, less their median of the rounds without a heal."""
+    shard_mb: float
+    """One rank's share of the state, MiB."""
+
+
+def heal_run(out: Path, state_mb: float, transport: str, overrides: list[str]) -> HealRun:
+    shape = llama_overrides(state_mb)
+    settings = [
+        f"--model.overrides={json.dumps(shape)}",
+        "--data.seq_len=32",
+        "--data.batch_size=1",
+        f"--trainer.strategy.init_args.sync_every={HEAL_SYNC_EVERY}",
+        "--trainer.limit_val_batches=0",
+    ]
+    federation = Federation(out / f"heal-{state_mb:g}mb-{transport}", HEAL_STEPS, [*settings, *overrides], transport)
+    timeline = _play(federation, HEAL_STEPS, HEAL_KILL_AT, 0.0)
+
+    heal_rounds, states = [], []
+    for rank in (0, 1):
+        restarted = [r for r in federation.records(1, None, rank) if r["t"] > timeline.restart]  # the new job's
+        heal_rounds.append(
+            next(r for r in restarted if r["event"] == "round" and any(t["role"] == "recv" for t in r["transfers"]))
+        )
+        states.append(next(r["bytes"] for r in restarted if r["event"] == "state"))
+    recvs = [next(t for t in r["transfers"] if t["role"] == "recv") for r in heal_rounds]
+    first_step = min(r["t"] for r in federation.records(1, "step") if r["pid"] == timeline.pid)
+    send_extra = []
+    for rank in (0, 1):
+        rounds = federation.records(0, "round", rank)
+        sent = [r for r in rounds if any(t["role"] == "send" for t in r["transfers"])]
+        normal = sorted(r["peak_kb"] - r["rss_kb"] for r in rounds if not r["transfers"])
+        send_extra += [r["peak_kb"] - r["rss_kb"] - (normal[len(normal) // 2] if normal else 0) for r in sent]
+    quorum_start = min(r["quorum_start"] for r in heal_rounds)
+    return HealRun(
+        state_mb=state_mb,
+        transport=transport,
+        shape=f"d{shape['dim']}×{shape['n_layers']}",
+        state_bytes=sum(states),
+        detection_s=timeline.dead - timeline.kill,
+        restart_s=quorum_start - timeline.restart,
+        quorum_s=min(t["start"] for t in recvs) - quorum_start,
+        transfer_s=max(t["end"] for t in recvs) - min(t["start"] for t in recvs),
+        resume_s=first_step - max(t["end"] for t in recvs),
+        total_s=first_step - timeline.kill,
+        recv_extra_mb=max(r["quorum_peak_kb"] - r["rss_kb"] for r in heal_rounds) / 1024,
+        send_extra_mb=max(send_extra, default=math.nan) / 1024,
+        shard_mb=max(states) / 2**20,
+    )
+
+
+def format_heal_table(runs: list[HealRun], link: float) -> str:
+    lines = [
+        f"heal of a restarted group (2 ranks) from a live one; link (gloo send/recv, 2 processes): {link / 1e9:.2f}"
+        " GB/s; target: 10 s + state / link",
+        f"{'state':>7} {'shape':>9} {'transport':>9} {'detect':>6} {'restart':>7} {'quorum':>6} {'transfer':>8}"
+        f" {'resume':>6} {'total':>6} {'target':>6} {'GB/s':>5} {'recv +MB':>8} {'send +MB':>8} {'shard MB':>8}",
+    ]
+    for r in runs:
+        lines.append(
+            f"{r.state_bytes / 2**20:>5.0f}MB {r.shape:>9} {r.transport:>9} {r.detection_s:>6.1f} {r.restart_s:>7.1f}"
+            f" {r.quorum_s:>6.1f} {r.transfer_s:>8.2f} {r.resume_s:>6.1f} {r.total_s:>6.1f}"
+            f" {10 + r.state_bytes / link:>6.1f} {r.state_bytes / r.transfer_s / 1e9:>5.2f} {r.recv_extra_mb:>8.0f}"
+            f" {r.send_extra_mb:>8.0f} {r.shard_mb:>8.0f}"
+        )
+    return "\n".join(lines)
 
 
 def format_table(runs: list[FaultRun]) -> str:
@@ -313,7 +511,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=16, help="group 1's step at which one of its ranks is killed")
     parser.add_argument("--down-s", type=float, default=10.0, help="seconds group 1 stays down")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-faults"))
+    parser.add_argument(
+        "--state-mb",
+        help="instead: heal time against state size, one Llama shape per size (MiB per group, comma-separated),"
+        f" {HEAL_STEPS} steps, kill at {HEAL_KILL_AT}, restarted at once",
+    )
+    parser.add_argument("--transports", default="http,stream", help="with --state-mb: the heal transports to compare")
     args, overrides = parser.parse_known_args(argv)
+    if args.state_mb:
+        link = link_bytes_per_s()
+        heals = []
+        for size in args.state_mb.split(","):
+            for transport in args.transports.split(","):
+                heals.append(heal_run(args.out, float(size), transport, overrides))
+                print(format_heal_table(heals[-1:], link), flush=True)
+        table = format_heal_table(heals, link)
+        print(table)
+        (args.out / "heal.json").write_text(json.dumps({"link_bytes_per_s": link, "runs": [asdict(r) for r in heals]}))
+        (args.out / "heal.txt").write_text(table + "\n")
+        return
     if args.quick:
         args.steps, args.kill_at, args.down_s = 96, 8, 0.0
     runs = [

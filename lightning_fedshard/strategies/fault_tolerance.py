@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -53,9 +54,13 @@ ENV = {
     "connect_timeout": "TORCHFT_CONNECT_TIMEOUT_SEC",
 }
 T = TypeVar("T")
+#: Rounds :attr:`FederationMember.rounds_log` keeps.
+ROUNDS_LOGGED = 64
 
 #: Seconds between two quorum requests of a group that waits for ``min_groups``.
 MIN_GROUPS_POLL_S = 1.0
+#: The values of :attr:`FaultTolerance.heal_transport`.
+HEAL_TRANSPORTS = ("stream", "http")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,12 @@ class FaultTolerance:
             heartbeat timeout plus one sync interval plus the time a restarted group takes to start.
         connect_timeout: How long connecting to the Lighthouse and the group's Manager may take (default 60 s).
         heartbeat_interval: How often the group tells the Lighthouse that it is alive (default 100 ms).
+        heal_transport: How a healing group receives a live peer's state: ``"stream"`` (default) sends every
+            tensor from the peer's live shards straight into the healing group's own, in chunks, over the quorum's
+            process group, with no copy of the state on either side
+            (:class:`~lightning_fedshard.strategies.heal_transport.StreamingTransport`); ``"http"`` is torchft's
+            HTTP transport, which pickles a copy of the state and unpickles it into new tensors (twice the memory,
+            a Python socket loop; kept to compare against).
 
     Example::
 
@@ -99,6 +110,7 @@ class FaultTolerance:
     quorum_timeout: timedelta | None = None
     connect_timeout: timedelta | None = None
     heartbeat_interval: timedelta = field(default=timedelta(milliseconds=100))
+    heal_transport: str = "stream"
 
     def resolve(self, environ: dict[str, str] | None = None) -> FaultTolerance:
         """Every field filled in (from the environment where not given) and checked; a clear error otherwise."""
@@ -138,6 +150,11 @@ class FaultTolerance:
             )
         }
         heartbeat = check_timeout(self.heartbeat_interval, f"{name}.heartbeat_interval")
+        if self.heal_transport not in HEAL_TRANSPORTS:
+            raise ValueError(
+                f"{name}: `heal_transport` must be one of {', '.join(map(repr, HEAL_TRANSPORTS))},"
+                f" got {self.heal_transport!r}."
+            )
         return replace(
             self, lighthouse=lighthouse, group_id=group_id, num_groups=num_groups, min_groups=min_groups,
             heartbeat_interval=heartbeat, **timeouts,
@@ -240,6 +257,9 @@ class FederationMember:
     ) -> None:
         require_extra("torchft", "ft", f"{type(config).__name__} (fault-tolerant federation groups)")
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing import HTTPTransport
+
+        from lightning_fedshard.strategies.heal_transport import StreamingTransport
 
         self.config = config
         self._params = params
@@ -250,6 +270,14 @@ class FederationMember:
         timeout = config.timeout
         assert timeout is not None and config.quorum_timeout is not None, "resolve() the FaultTolerance first"
         pg = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        # the live state the stream transport receives into: the Manager's tree of what _state_dict gives the peer
+        live_state = lambda: {"user": {"default": self._state_dict()}, "torchft": self.manager.state_dict()}  # noqa: E731
+        self._streamed = config.heal_transport == "stream"
+        self.transfers = _TimedTransport(
+            StreamingTransport(pg, timeout, live_state)
+            if self._streamed
+            else HTTPTransport(timeout=timeout, num_chunks=0)
+        )
         self.manager = Manager(
             pg=pg,
             load_state_dict=self._load_state_dict,
@@ -266,10 +294,18 @@ class FederationMember:
             hostname=socket.gethostname(),
             heartbeat_interval=config.heartbeat_interval,
             init_sync=True,  # groups start from one model: torchft heals every group at step 0 from the others
+            checkpoint_transport=self.transfers,
         )
         self.transport = ManagerTransport(self.manager, pg)
         self.rounds_failed = 0
         self.last_participants = 0
+        self.rounds_log: deque[dict[str, Any]] = deque(maxlen=ROUNDS_LOGGED)
+        """The last rounds of this rank, one record each, wall-clock (``time.time()``) times: ``quorum_start``,
+        ``quorum_end``, ``end`` (applied or not), ``participants`` and ``transfers`` (the checkpoint sends and
+        receives during the quorum: ``role``, ``start``, ``end``); with :attr:`track_memory` also ``rss_kb`` before the quorum and the peak resident memory during
+        the quorum (``quorum_peak_kb``, where a heal is received) and during the whole round (``peak_kb``).
+        ``fedshard bench faults`` splits a heal into its phases with them."""
+        self.track_memory = False
 
     def run_round(self, average: Callable[[], T], apply: Callable[[T], None]) -> bool:
         """One cross-group round: quorum (healing this group first if it is behind), ``average``, the group's
@@ -283,12 +319,37 @@ class FederationMember:
         """
         return self.end_round(self.start_round(average), apply)
 
+    def _log_round_start(self) -> None:
+        record: dict[str, Any] = {"quorum_start": time.time()}
+        if self.track_memory:
+            record["rss_kb"] = _reset_peak_rss()
+        self.rounds_log.append(record)
+        self.transfers.events.clear()
+
+    def _log_round_end(self) -> None:
+        record = self.rounds_log[-1]
+        record["end"] = time.time()
+        if self.track_memory:
+            record["peak_kb"] = _proc_status_kb("VmHWM")
+
     def start_round(self, start: Callable[[], T]) -> T:
         """The first half of a round whose average overlaps training (a streaming fragment): the quorum (healing
         this group first if it is behind), then ``start``, which sends the average without waiting for it and,
         like ``run_round``'s ``average``, leaves the model and the outer state untouched. The group trains on
         until :meth:`end_round`; no other round may start in between."""
+        self._log_round_start()
         self._start_quorum()
+        self.rounds_log[-1].update(
+            quorum_end=time.time(), participants=self.last_participants, transfers=list(self.transfers.events)
+        )
+        if self.track_memory:
+            self.rounds_log[-1]["quorum_peak_kb"] = _proc_status_kb("VmHWM")
+        if self.transfers.torn:
+            raise RuntimeError(
+                f"federation group {self.config.group_id}: healing from a peer broke off after part of its state had"
+                " been received into this group's tensors, which now mix the two; the group stops rather than train"
+                " on that. Restart it: it heals afresh from a live group."
+            )
         return start()
 
     def end_round(self, started: T, apply: Callable[[T], None], wait: Callable[[T], None] | None = None) -> bool:
@@ -296,8 +357,11 @@ class FederationMember:
         then ``apply`` if it passed. Returns whether the round was applied; a round voted down changes nothing."""
         if wait is not None:
             wait(started)
-        if self.manager.should_commit():
+        committed = self.manager.should_commit()
+        if committed:
             apply(started)
+        self._log_round_end()
+        if committed:
             return True
         self.rounds_failed += 1
         log.warning(
@@ -355,15 +419,22 @@ class FederationMember:
 
     @torch.no_grad()
     def _state_dict(self) -> dict[str, Any]:
-        # clones: torchft's HTTP transport serves CPU tensors by reference while this rank trains on
+        # The stream transport sends from the live tensors and has sent everything when the quorum returns (and
+        # receives into them). torchft's HTTP transport serves the tensors by reference while this rank trains on:
+        # clones for it.
+        local = (lambda t: t.to_local().detach()) if self._streamed else (lambda t: t.to_local().detach().clone())
         return {
-            "params": {name: p.to_local().detach().clone() for name, p in self._params},
+            "params": {name: local(p) for name, p in self._params},
             "outer": {
-                part: {name: t.to_local().detach().clone() for name, t in tensors.items()}
-                for part, tensors in self._outer_state().items()
+                part: {name: local(t) for name, t in tensors.items()} for part, tensors in self._outer_state().items()
             },
             "progress": self._progress(),
         }
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors this rank sends a healing peer (its shards of the parameters and outer state)."""
+        tensors = [p for _, p in self._params] + [t for part in self._outer_state().values() for t in part.values()]
+        return sum(t.to_local().numel() * t.to_local().element_size() for t in tensors)
 
     @torch.no_grad()
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,7 +446,7 @@ class FederationMember:
                 " the same model with the same sharding."
             )
         for name, p in self._params:
-            p.to_local().copy_(state["params"][name])
+            p.to_local().copy_(state["params"][name])  # nothing to do where the stream received into p itself
         self._load_outer_state(
             {
                 part: {name: _like(params[name], t) for name, t in tensors.items()}
@@ -395,6 +466,52 @@ class FederationMember:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class _TimedTransport:
+    """A torchft checkpoint transport with the times of its sends and receives (``events``: ``role``, ``start``,
+    ``end``). A send of torchft's HTTP transport only offers the state: the peer reads it during the round."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.events: list[dict[str, Any]] = []
+
+    @property
+    def torn(self) -> bool:
+        return getattr(self.inner, "torn", False)
+
+    def metadata(self) -> str:
+        return self.inner.metadata()
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        start = time.time()
+        self.inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+        self.events.append({"role": "send", "start": start, "end": time.time()})
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        start = time.time()
+        state = self.inner.recv_checkpoint(src_rank, metadata, step, timeout)
+        self.events.append({"role": "recv", "start": start, "end": time.time()})
+        return state
+
+    def disallow_checkpoint(self) -> None:
+        self.inner.disallow_checkpoint()
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait)
+
+
+def _proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
+
+
+def _reset_peak_rss() -> int:
+    """Restarts the kernel's count of this process's peak resident memory (``VmHWM``); returns the resident memory
+    now, in KiB."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return _proc_status_kb("VmRSS")
 
 
 def _like(param: DTensor, local: torch.Tensor) -> DTensor:

@@ -70,6 +70,11 @@ def test_fields_left_out_come_from_the_environment():
             {},
             "`timeout` must be a positive duration",
         ),
+        (
+            FaultTolerance(lighthouse="http://h:1", group_id=0, num_groups=1, heal_transport="disk"),
+            {},
+            "`heal_transport` must be one of 'stream', 'http', got 'disk'",
+        ),
     ],
 )
 def test_bad_settings_name_the_problem(ft, env, message):
