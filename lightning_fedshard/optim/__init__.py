@@ -10,7 +10,7 @@ from lightning_fedshard.optim.muon import Muon, muon_param_groups
 from lightning_fedshard.optim.newton_schulz import NS_COEFFICIENTS, newton_schulz, ns_dtype
 from lightning_fedshard.optim.owner_exchange import ShardLayout, local_shard, transform_on_owners
 from lightning_fedshard.optim.owners import assign_owners, ns_cost
-from lightning_fedshard.optim.shard_plan import ParamBlockPlan, BlockShardPlan, chunk_sizes, plan_param
+from lightning_fedshard.optim.shard_plan import BlockShardPlan, ParamBlockPlan, chunk_sizes, plan_param
 
 __all__ = [
     "NS_COEFFICIENTS",

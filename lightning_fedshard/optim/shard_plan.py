@@ -7,8 +7,8 @@ the elements of one slice. A shard is *block-aligned* when every such start is a
 (256 for DynamiQ's super-groups, 32 or 128 for quantised optimizer states): then per-shard blocks are exactly the
 whole tensor's blocks, and nothing is re-chunked across ranks.
 
-:func:`plan_shards` picks, per parameter, the dimension FSDP2 can shard on that aligns (least padding first);
-where none does, FSDP2 2.13 cannot align it without a placement of its own (veScale's ``RaggedShard``) and the
+:func:`plan_param` picks, per parameter (:class:`BlockShardPlan` for a whole module), the dimension FSDP2 can
+shard on that aligns (least padding first); where none does, FSDP2 2.13 cannot align it without a placement of its own (veScale's ``RaggedShard``) and the
 plan says how many slices per rank an aligned layout needs and the padding that costs.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import Shard
 
-__all__ = ["ParamBlockPlan", "BlockShardPlan", "chunk_sizes", "plan_param", "plan_shards"]
+__all__ = ["BlockShardPlan", "ParamBlockPlan", "chunk_sizes", "plan_param"]
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:

@@ -7,7 +7,7 @@ import torch
 
 from lightning_fedshard.bench.optimizers import OptimizerRun, format_runs, state_bytes_per_gpu
 from lightning_fedshard.models import Llama, LlamaConfig
-from lightning_fedshard.optim import AdamW8bit, Muon, BlockShardPlan, muon_param_groups
+from lightning_fedshard.optim import AdamW8bit, BlockShardPlan, Muon, muon_param_groups
 from lightning_fedshard.training import optimizer_state_bytes
 
 

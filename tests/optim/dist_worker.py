@@ -8,7 +8,6 @@ checks compare the optimizers' arithmetic, not FSDP2's reduce-scatter.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 import pytest
-from torch import nn
-
 import torch
+from torch import nn
 
 from lightning_fedshard.strategies.apply import apply_fsdp, check_fully_sharded, materialize
 

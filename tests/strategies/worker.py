@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
