@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
 import torch
 
-from lightning_fedshard.strategies.fault_tolerance import FaultTolerance, FederationMember
+from lightning_fedshard.strategies.fault_tolerance import (
+    ROUNDS_LOGGED,
+    FaultTolerance,
+    FederationMember,
+    _TimedTransport,
+)
 from lightning_fedshard.strategies.streaming import FragmentSchedule, StreamingSync
 
 
@@ -73,6 +79,8 @@ def _member(events: list[tuple], votes: list[bool]) -> FederationMember:
     member.manager = _Manager(events, votes)
     member.rounds_failed = 0
     member.last_participants = 0
+    member.rounds_log, member.track_memory = deque(maxlen=ROUNDS_LOGGED), False
+    member.transfers = _TimedTransport(inner=None)  # no checkpoint moves in these scripted rounds
     return member
 
 
