@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copyreg
 import inspect
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import lightning
@@ -51,6 +53,9 @@ __all__ = [
     "fit_loop_training_data",
     "layout_pickle_global",
     "require_extra",
+    "set_sigterm_broadcast",
+    "set_sigterm_notifier",
+    "signal_connector",
     "tree_leaves",
 ]
 
@@ -150,6 +155,25 @@ _check_methods(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
 _set_sampler_epoch = _private("lightning.fabric.utilities.data", "_set_sampler_epoch")
 _check_init_sets(_private("lightning.pytorch.loops.fit_loop", "_FitLoop"), "_combined_loader", "_data_fetcher")
 _check_methods(_TrainingEpochLoop, "_num_ready_batches_reached")
+
+
+def signal_connector(trainer: Trainer) -> Any:
+    """The trainer's signal connector: its public ``received_sigterm`` stops the fit at the next batch."""
+    return trainer._signal_connector
+
+
+def set_sigterm_notifier(connector: Any, notifier: Callable[[int, FrameType | None], None]) -> None:
+    """Makes ``notifier`` what the connector's SIGTERM handler does (instead of broadcasting at once)."""
+    connector._sigterm_notifier_fn = notifier
+
+
+def set_sigterm_broadcast(epoch_loop: Any, agree: Callable[[], None]) -> bool:
+    """Makes ``agree`` the collective that opens each training batch in place of Lightning's broadcast of rank 0's
+    SIGTERM flag; False (nothing set) for a loop without that broadcast."""
+    if not isinstance(epoch_loop, _TrainingEpochLoop):
+        return False
+    epoch_loop._broadcast_sigterm_tensor = agree
+    return True
 
 
 def fit_loop_training_data(fit_loop: Any) -> tuple[Any, Any]:

@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
+from lightning_fedshard.compat import set_sigterm_broadcast, set_sigterm_notifier, signal_connector
 from lightning_fedshard.distributed import processes
 from lightning_fedshard.distributed.processes import RunProcess
 
@@ -82,10 +83,8 @@ class JobEnd:
         """
         if trainer.world_size == 1:
             return
-        connector = trainer._signal_connector
-        epoch_loop = trainer.fit_loop.epoch_loop
-        synchronised = trainer.state.fn == TrainerFn.FITTING and hasattr(epoch_loop, "_broadcast_sigterm_tensor")
-        noted = False
+        connector = signal_connector(trainer)
+        noted = synchronised = False
 
         def note_sigterm(signum: int, frame: FrameType | None) -> None:
             nonlocal noted
@@ -104,9 +103,9 @@ class JobEnd:
                 connector.received_sigterm = True
                 raise SIGTERMException
 
-        connector._sigterm_notifier_fn = note_sigterm
-        if synchronised:
-            epoch_loop._broadcast_sigterm_tensor = agree_on_sigterm
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        synchronised = fitting and set_sigterm_broadcast(trainer.fit_loop.epoch_loop, agree_on_sigterm)
+        set_sigterm_notifier(connector, note_sigterm)
 
     def on_exception(self, exception: BaseException) -> None:
         """A SIGTERM stop keeps its clean shutdown and exits 143; any other exception ends the peers at exit."""
