@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 from lightning_fedshard.compat import set_sigterm_broadcast, set_sigterm_notifier, signal_connector
 from lightning_fedshard.distributed import processes
+from lightning_fedshard.distributed.elastic import check_elastic_restarts
 from lightning_fedshard.distributed.processes import RunProcess
 
 __all__ = ["END_GRACE_S", "SIGTERM_EXIT_CODE", "JobEnd", "JobEndHooks"]
@@ -121,7 +122,8 @@ class JobEnd:
 class JobEndHooks:
     """Mixin for a Lightning strategy whose ranks end together after a failure and exit 143 after a SIGTERM stop:
     it calls its :class:`JobEnd` (``self.job_end``) once the default process group exists, from ``setup`` and from
-    ``on_exception``.
+    ``on_exception``. Before the default process group starts it refuses a ``torchrun --max-restarts`` whose
+    restarts would hang (:func:`~lightning_fedshard.distributed.elastic.check_elastic_restarts`).
 
     A strategy that replaces Lightning's ``setup`` without calling ``super().setup`` calls
     ``self.job_end.setup(trainer)`` from its own.
@@ -137,12 +139,15 @@ class JobEndHooks:
         return JobEnd()
 
     # The default process group is set up by ``DDPStrategy.setup_distributed`` and
-    # ``ModelParallelStrategy._setup_distributed``; the peers are learnt right after, before any other collective.
+    # ``ModelParallelStrategy._setup_distributed``; a torchrun that could not restart the ranks cleanly is refused
+    # before it, and the peers are learnt right after, before any other collective.
     def setup_distributed(self) -> None:
+        check_elastic_restarts()
         super().setup_distributed()  # type: ignore[misc]
         self.job_end.record()
 
     def _setup_distributed(self) -> None:
+        check_elastic_restarts()
         super()._setup_distributed()  # type: ignore[misc]
         self.job_end.record()
 

@@ -105,3 +105,47 @@ def test_every_mesh_group_gets_the_timeout(one_rank_world):
     assert group_timeout(verifier_mesh.get_group("tensor_parallel")) == timeout
     # what torch gives a mesh's groups otherwise: its 30-minute default, whatever the world group's timeout
     assert group_timeout(FedShardDims(1, 1, 1).build_mesh("cpu").get_group("shard")) == timedelta(minutes=30)
+
+
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+
+
+@pytest.mark.parametrize(
+    "environ, refused",
+    [
+        (AGENT_STORE, True),  # static rendezvous, or c10d sharing its store: a restart reads stale addresses
+        ({**AGENT_STORE, "TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # c10d with a store per restart
+        ({**AGENT_STORE, "TORCHELASTIC_MAX_RESTARTS": "0"}, False),  # nothing is ever restarted
+        ({}, False),  # not under torchrun
+    ],
+)
+def test_a_torchrun_whose_restarts_would_reuse_the_agents_store_is_refused(environ, refused):
+    from lightning_fedshard.distributed import check_elastic_restarts
+
+    if not refused:
+        check_elastic_restarts(environ)
+        return
+    with pytest.raises(RuntimeError, match="--max-restarts=3 .* TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_elastic_restarts(environ)
+
+
+@pytest.mark.parametrize(
+    "strategy, starts_group",  # the Lightning method that starts the default process group
+    [("fsdp2", "_setup_distributed"), ("ddp_dynamiq", "setup_distributed"), ("timed_mp", "_setup_distributed")],
+)
+def test_every_strategy_refuses_such_a_torchrun_before_its_process_group_starts(strategy, starts_group, monkeypatch):
+    import lightning.pytorch as pl
+
+    import lightning_fedshard  # noqa: F401  (registers the strategy names)
+    from lightning_fedshard.distributed import TimedModelParallelStrategy
+
+    def started(*args, **kwargs):  # instead of waiting for an agent's store that is not there
+        raise AssertionError("the default process group was started")
+
+    for key, value in AGENT_STORE.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(dist, "init_process_group", started)
+    chosen = TimedModelParallelStrategy() if strategy == "timed_mp" else strategy
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=chosen, logger=False)
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        getattr(trainer.strategy, starts_group)()
