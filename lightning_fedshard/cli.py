@@ -15,6 +15,8 @@ __all__ = ["FedShardCLI", "main"]  # noqa: F822 (FedShardCLI: module __getattr__
 EXTRA_COMMANDS = """Other commands:
   fedshard recipes         the shipped recipes, by name (`--config NAME`), one line each
   fedshard demo [ARGS]     tiny FL+HSDP recipe next to the tiny HSDP baseline (see `fedshard demo --help`)
+  fedshard launch [TORCHRUN OPTIONS] fit ...
+                           torchrun whose workers and restarts fork a warm interpreter (`fedshard launch -h`)
   fedshard bench NAME      a benchmark (`fedshard bench --help`)
   fedshard verify ...      verify an ONNX network against a VNN-LIB property (`fedshard verify --help`)
   fedshard export CKPT OUT a checkpoint as a Hugging Face LlamaForCausalLM folder (`fedshard export --help`)
@@ -42,6 +44,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_fedshard.bench.recipes import demo
 
         demo(args[1:])
+    elif command == "launch":
+        from lightning_fedshard.training.launch import main as launch_main
+
+        launch_main(args[1:])
     elif command == "verify":
         from lightning_fedshard.verify.cli import main as verify_main
 
