@@ -17,6 +17,7 @@ machine's cores: a group alone runs faster than two side by side, so the figures
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import lightning.pytorch as pl
 
 from lightning_fedshard.bench.recipes import TINY
 from lightning_fedshard.compat import require_extra
+from lightning_fedshard.distributed import SHARE_STORE_SWITCH
 
 __all__ = ["FaultProbe", "FaultRun", "format_table", "main"]
 
@@ -40,6 +42,7 @@ RECIPE = TINY / "fl_fsdp.yaml"
 PROBE_ENV, STOP_ENV, HOLD_ENV = "FEDSHARD_FAULTS_PROBE", "FEDSHARD_FAULTS_STOP_AT", "FEDSHARD_FAULTS_HOLD"
 HEARTBEAT_TIMEOUT_MS = 2000
 WAIT_S = 900
+END_WAIT_S = 30  # for a job told to stop
 
 
 class FaultProbe(pl.Callback):
@@ -130,14 +133,26 @@ class FaultRun:
     """Group 0's last validation loss."""
 
 
-class Federation:
-    """A Lighthouse and one ``fedshard fit`` job per group, each in a session of its own."""
+#: How a failed group comes back: ``launch``: ``fedshard launch`` restarts its ranks in place, forked from an
+#: interpreter that has imported torch, Lightning and torchft; ``torchrun``: torchrun restarts them in place as new
+#: interpreters (both ``--max-restarts``: the agent stays); ``job``: the job fails as a whole and the same
+#: ``fedshard fit`` command is started again (Lightning's launcher spawns rank 1 from rank 0).
+RESTARTS = ("launch", "torchrun", "job")
 
-    def __init__(self, out: Path, steps: int, overrides: list[str], heal_transport: str = "stream") -> None:
+
+class Federation:
+    """A Lighthouse and one ``fedshard fit`` job per group, each in a session of its own: under ``fedshard launch``
+    or ``torchrun`` with ``--max-restarts=1``, or under Lightning's own launcher (``restart``, one of
+    :data:`RESTARTS`)."""
+
+    def __init__(
+        self, out: Path, steps: int, overrides: list[str], heal_transport: str = "stream", restart: str = "job"
+    ) -> None:
         require_extra("torchft", "ft", "The fault-tolerance benchmark")
         from torchft.coordination import LighthouseServer
 
         self.out, self.steps, self.overrides, self.heal_transport = out, steps, overrides, heal_transport
+        self.restart = restart
         out.mkdir(parents=True, exist_ok=True)
         self.lighthouse = LighthouseServer(
             bind="[::]:0",
@@ -166,10 +181,17 @@ class Federation:
             "NUM_REPLICA_GROUPS": "2",  # each group reads its own half of the data
             PROBE_ENV: str(self.probe(group)),
             STOP_ENV: str(self.steps),
+            SHARE_STORE_SWITCH: "1",  # each torchrun restart gets a store of its own
         }
         launch = len(self.jobs[group])
+        agent = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
+        launcher = {
+            "launch": ["-m", "lightning_fedshard.cli", "launch", *agent],
+            "torchrun": ["-m", "torch.distributed.run", *agent, "-m", "lightning_fedshard.cli"],
+            "job": ["-m", "lightning_fedshard.cli"],
+        }[self.restart]
         command = [
-            sys.executable, "-m", "lightning_fedshard.cli", "fit", "--config", str(RECIPE),
+            sys.executable, *launcher, "fit", "--config", str(RECIPE),
             "--trainer.devices=2",
             "--trainer.strategy.init_args.num_groups=null",
             "--trainer.strategy.init_args.outer_optimizer=nesterov",
@@ -206,25 +228,22 @@ class Federation:
         for jobs in self.jobs.values():
             for job in jobs:
                 if job.poll() is None:
-                    os.killpg(job.pid, signal.SIGKILL)
+                    # torchrun's workers are in sessions of their own: its agent ends them on SIGTERM
+                    os.killpg(job.pid, signal.SIGTERM)
+                    try:
+                        job.wait(timeout=END_WAIT_S)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
         self.lighthouse.shutdown()
 
 
-def _rank1_pid(federation: Federation, group_job: subprocess.Popen) -> int:
-    """The pid of the job's rank 1: the child Lightning's launcher (rank 0) spawned."""
-    children = Path(f"/proc/{group_job.pid}/task/{group_job.pid}/children").read_text().split()
-    pids = [int(pid) for pid in children if "lightning_fedshard.cli" in _cmdline(int(pid))]
-    if not pids:
-        raise RuntimeError(f"group 1's job {group_job.pid} has no rank-1 process to kill")
-    return pids[0]
-
-
-def _cmdline(pid: int) -> str:
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:
-        return ""
+        return False
 
 
 def _runs(steps: list[dict]) -> list[list[dict]]:
@@ -254,7 +273,7 @@ class Timeline:
     """Group 1's failed job has exited: from here it can be restarted."""
     restart: float = math.nan
     pid: int = 0
-    """Group 1's restarted job."""
+    """Group 1's restarted rank 0."""
 
 
 def _play(federation: Federation, steps: int, kill_at: int | None, down_s: float) -> Timeline:
@@ -274,25 +293,30 @@ def _play(federation: Federation, steps: int, kill_at: int | None, down_s: float
             federation.wait_for(
                 lambda: any(r["steps"] >= kill_at for r in federation.records(1, "step")), "group 1 reaches the kill"
             )
-            victim = _rank1_pid(federation, federation.jobs[1][-1])
-            federation.expect_failure = True
+            victim = federation.records(1, "state", rank=1)[-1]["pid"]
+            survivor = federation.records(1, "joining")[-1]["pid"]
+            federation.expect_failure = federation.restart == "job"
             timeline.kill = time.time()
             os.kill(victim, signal.SIGKILL)
-            federation.jobs[1][-1].wait(timeout=WAIT_S)
+            if federation.restart == "job":
+                federation.jobs[1][-1].wait(timeout=WAIT_S)
+            else:  # the agent saw the rank die, stopped the other and starts both again on its own
+                federation.wait_for(lambda: not _alive(survivor), "group 1's other rank is stopped")
             timeline.dead = time.time()
             time.sleep(max(0.0, down_s - (time.time() - timeline.kill)))
             federation.expect_failure = False
             timeline.restart = time.time()
-            job = federation.start(1)
-            timeline.pid = job.pid
+            if federation.restart == "job":
+                federation.start(1)
             federation.wait_for(
-                lambda: any(r["pid"] == job.pid for r in federation.records(1, "joining")), "group 1 restarts"
+                lambda: any(r["pid"] != survivor for r in federation.records(1, "joining")), "group 1 restarts"
             )
+            timeline.pid = next(r["pid"] for r in federation.records(1, "joining") if r["pid"] != survivor)
             (federation.out / "hold").unlink()
             federation.wait_for(
-                lambda: any(r["pid"] == job.pid for r in federation.records(1, "step")), "group 1 rejoins"
+                lambda: any(r["pid"] == timeline.pid for r in federation.records(1, "step")), "group 1 rejoins"
             )
-            first = next(r for r in federation.records(1, "step") if r["pid"] == job.pid)
+            first = next(r for r in federation.records(1, "step") if r["pid"] == timeline.pid)
             if first["groups"] < 2:
                 raise RuntimeError(
                     f"group 0 finished its {steps} steps before the restarted group 1 joined it (its first round had"
@@ -403,13 +427,16 @@ class HealRun:
     state_mb: float
     """Requested state per group, MiB."""
     transport: str
+    restart: str
+    """How group 1 came back: one of :data:`RESTARTS`."""
     shape: str
     state_bytes: int
     """What the heal moved: group 1's ranks' shards of the parameters and outer state, summed."""
     detection_s: float
-    """The kill until group 1's failed job has exited (its launcher saw the rank die and ended the others)."""
+    """The kill until group 1's other rank is gone: its launcher (torchrun's agent, or Lightning's in rank 0) saw
+    the rank die and ended the others (for ``job``, the job has exited)."""
     restart_s: float
-    """The restart until the new job's first quorum request (interpreters, model, Manager)."""
+    """From there until the new ranks' first quorum request (interpreters, model, Manager)."""
     quorum_s: float
     """Until the quorum that heals it is granted and the transfer starts (group 0 reaching its next round)."""
     transfer_s: float
@@ -426,7 +453,7 @@ class HealRun:
     """One rank's share of the state, MiB."""
 
 
-def heal_run(out: Path, state_mb: float, transport: str, overrides: list[str]) -> HealRun:
+def heal_run(out: Path, state_mb: float, transport: str, overrides: list[str], restart: str = "torchrun") -> HealRun:
     shape = llama_overrides(state_mb)
     settings = [
         f"--model.overrides={json.dumps(shape)}",
@@ -435,7 +462,8 @@ def heal_run(out: Path, state_mb: float, transport: str, overrides: list[str]) -
         f"--trainer.strategy.init_args.sync_every={HEAL_SYNC_EVERY}",
         "--trainer.limit_val_batches=0",
     ]
-    federation = Federation(out / f"heal-{state_mb:g}mb-{transport}", HEAL_STEPS, [*settings, *overrides], transport)
+    name = f"heal-{state_mb:g}mb-{transport}-{restart}"
+    federation = Federation(out / name, HEAL_STEPS, [*settings, *overrides], transport, restart)
     timeline = _play(federation, HEAL_STEPS, HEAL_KILL_AT, 0.0)
 
     heal_rounds, states = [], []
@@ -457,6 +485,7 @@ def heal_run(out: Path, state_mb: float, transport: str, overrides: list[str]) -
     return HealRun(
         state_mb=state_mb,
         transport=transport,
+        restart=restart,
         shape=f"d{shape['dim']}×{shape['n_layers']}",
         state_bytes=sum(states),
         detection_s=timeline.dead - timeline.kill,
@@ -475,12 +504,12 @@ def format_heal_table(runs: list[HealRun], link: float) -> str:
     lines = [
         f"heal of a restarted group (2 ranks) from a live one; link (gloo send/recv, 2 processes): {link / 1e9:.2f}"
         " GB/s; target: 10 s + state / link",
-        f"{'state':>7} {'shape':>9} {'transport':>9} {'detect':>6} {'restart':>7} {'quorum':>6} {'transfer':>8}"
+        f"{'state':>7} {'shape':>9} {'transport':>9} {'restart by':>10} {'detect':>6} {'restart':>7} {'quorum':>6} {'transfer':>8}"
         f" {'resume':>6} {'total':>6} {'target':>6} {'GB/s':>5} {'recv +MB':>8} {'send +MB':>8} {'shard MB':>8}",
     ]
     for r in runs:
         lines.append(
-            f"{r.state_bytes / 2**20:>5.0f}MB {r.shape:>9} {r.transport:>9} {r.detection_s:>6.1f} {r.restart_s:>7.1f}"
+            f"{r.state_bytes / 2**20:>5.0f}MB {r.shape:>9} {r.transport:>9} {r.restart:>10} {r.detection_s:>6.1f} {r.restart_s:>7.1f}"
             f" {r.quorum_s:>6.1f} {r.transfer_s:>8.2f} {r.resume_s:>6.1f} {r.total_s:>6.1f}"
             f" {10 + r.state_bytes / link:>6.1f} {r.state_bytes / r.transfer_s / 1e9:>5.2f} {r.recv_extra_mb:>8.0f}"
             f" {r.send_extra_mb:>8.0f} {r.shard_mb:>8.0f}"
@@ -517,13 +546,22 @@ def main(argv: list[str] | None = None) -> None:
         f" {HEAL_STEPS} steps, kill at {HEAL_KILL_AT}, restarted at once",
     )
     parser.add_argument("--transports", default="http,stream", help="with --state-mb: the heal transports to compare")
+    parser.add_argument(
+        "--restarts",
+        default="job,torchrun,launch",
+        help="with --state-mb: how the failed group comes back: 'launch' (fedshard launch) and 'torchrun' restart its"
+        " ranks in place (--max-restarts), 'job' starts the failed job's command again",
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.state_mb:
+        restarts = args.restarts.split(",")
+        if unknown := set(restarts) - set(RESTARTS):
+            parser.error(f"--restarts: {', '.join(sorted(unknown))} is not one of {', '.join(RESTARTS)}")
         link = link_bytes_per_s()
         heals = []
         for size in args.state_mb.split(","):
-            for transport in args.transports.split(","):
-                heals.append(heal_run(args.out, float(size), transport, overrides))
+            for transport, restart in itertools.product(args.transports.split(","), restarts):
+                heals.append(heal_run(args.out, float(size), transport, overrides, restart))
                 print(format_heal_table(heals[-1:], link), flush=True)
         table = format_heal_table(heals, link)
         print(table)
