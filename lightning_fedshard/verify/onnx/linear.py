@@ -4,6 +4,7 @@ products and a sum), Conv and ConvTranspose (1-D and 2-D), BatchNormalization (i
 from __future__ import annotations
 
 import onnx
+import torch
 
 from lightning_fedshard.verify.onnx.common import (
     Converter,
@@ -95,17 +96,24 @@ def _matmul_of_two(ctx: LoadContext, node: onnx.NodeProto) -> None:
     )
 
 
+def _kernel(
+    ctx: LoadContext, node: onnx.NodeProto, spatial: int, kernel_shape: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Conv's or ConvTranspose's weight (1-D kernels as 2-D ones of height 1), checked against the input's rank
+    and ``kernel_shape`` if given, and its bias, if any."""
+    weight = ctx.weight(node.input[1], f"{node.op_type} weight")
+    if weight.dim() != spatial + 2:
+        raise OnnxLoadError(f"{node.op_type} weight {list(weight.shape)} does not match a {spatial}-D input")
+    if kernel_shape is not None and list(kernel_shape) != list(weight.shape[2:]):
+        raise OnnxLoadError(f"kernel_shape {kernel_shape} does not match the weight {list(weight.shape)}")
+    bias_name = input_name(node, 2)
+    bias = ctx.weight(bias_name, f"{node.op_type} bias") if bias_name else None
+    return (weight.unsqueeze(2) if spatial == 1 else weight), bias
+
+
 def _conv(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None:
     spatial = spatial_rank(ctx, node)
-    weight = ctx.weight(node.input[1], "Conv weight")
-    if weight.dim() != spatial + 2:
-        raise OnnxLoadError(f"Conv weight {list(weight.shape)} does not match a {spatial}-D input")
-    if "kernel_shape" in attrs and list(attrs["kernel_shape"]) != list(weight.shape[2:]):
-        raise OnnxLoadError(f"kernel_shape {attrs['kernel_shape']} does not match the weight {list(weight.shape)}")
-    if spatial == 1:
-        weight = weight.unsqueeze(2)
-    bias_name = input_name(node, 2)
-    bias = ctx.weight(bias_name, "Conv bias") if bias_name else None
+    weight, bias = _kernel(ctx, node, spatial, attrs.get("kernel_shape"))
     stride, dilation = two_d(attrs, "strides", 1, spatial), two_d(attrs, "dilations", 1, spatial)
     pads = onnx_pads(attrs, spatial)
     group = attrs.get("group", 1)
@@ -116,13 +124,7 @@ def _conv_transpose(ctx: LoadContext, node: onnx.NodeProto, attrs: dict) -> None
     spatial = spatial_rank(ctx, node)
     if "output_shape" in attrs:
         raise UnsupportedModelError("ConvTranspose with output_shape (give pads and output_padding instead)")
-    weight = ctx.weight(node.input[1], "ConvTranspose weight")
-    if weight.dim() != spatial + 2:
-        raise OnnxLoadError(f"ConvTranspose weight {list(weight.shape)} does not match a {spatial}-D input")
-    if spatial == 1:
-        weight = weight.unsqueeze(2)
-    bias_name = input_name(node, 2)
-    bias = ctx.weight(bias_name, "ConvTranspose bias") if bias_name else None
+    weight, bias = _kernel(ctx, node, spatial)
     stride, dilation = two_d(attrs, "strides", 1, spatial), two_d(attrs, "dilations", 1, spatial)
     output_padding = two_d(attrs, "output_padding", 0, spatial)
     pads = onnx_pads(attrs, spatial)
